@@ -1,0 +1,239 @@
+// torch.library bindings of the fused all-reduce + residual add + RMSNorm kernels.
+// Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; the CUDA
+// implementations are registered with TORCH_LIBRARY_IMPL; fake implementations live in Python
+// (megatron_tokenweave/kernels/_ops.py). The Python wrapper validates first and raises
+// TokenWeaveInputError; the TORCH_CHECKs below are the last line of defence. No host sync, no
+// allocation: the op only launches one kernel on the current stream (CUDA-graph capturable).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "tokenweave/fused_allreduce_rmsnorm.cuh"
+#include "tokenweave/multimem.cuh"
+
+namespace tokenweave {
+namespace {
+
+struct LaunchShape {
+  int vpt;
+  int threads;
+};
+
+LaunchShape launch_shape(int64_t hidden) {
+  const int64_t hv = hidden / kVecElems;
+  for (int vpt = 1; vpt <= kMaxVecsPerThread; vpt *= 2) {
+    const int64_t t = (hv + vpt - 1) / vpt;
+    if (t <= kMaxThreads) return {vpt, static_cast<int>(((t + 31) / 32) * 32)};
+  }
+  TORCH_CHECK(false, "tokenweave: hidden ", hidden, " too large (max ",
+              kMaxThreads * kMaxVecsPerThread * kVecElems, ")");
+  return {0, 0};
+}
+
+int np_bucket(int64_t world) { return world <= 2 ? 2 : (world <= 4 ? 4 : 8); }
+
+int rows_per_iter(int np, int vpt) {
+  int a = 16 / (np * vpt), b = 4 / vpt;
+  int m = a < b ? a : b;
+  return m < 1 ? 1 : (m > 4 ? 4 : m);
+}
+
+void check_in_buffer(const at::Tensor& t, const char* name, int64_t local_base,
+                     int64_t buffer_bytes, int64_t extent_bytes) {
+  const int64_t off = reinterpret_cast<int64_t>(t.data_ptr()) - local_base;
+  TORCH_CHECK(off >= 0 && off + extent_bytes <= buffer_bytes, "tokenweave: ", name,
+              " is not inside the symmetric buffer (offset ", off, ", extent ", extent_bytes,
+              ", buffer ", buffer_bytes, " bytes)");
+  TORCH_CHECK(off % kVecBytes == 0, "tokenweave: ", name, " is not 16-byte aligned");
+}
+
+FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
+                        const std::optional<at::Tensor>& weight, double eps,
+                        at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+                        bool sequence_parallel, const at::Tensor& bases, int64_t rank,
+                        int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas,
+                        int64_t timeout_ns) {
+  TORCH_CHECK(partial.is_cuda() && partial.dim() == 3 && partial.is_contiguous(),
+              "tokenweave: partial must be a contiguous [chunks, rows, hidden] CUDA tensor");
+  const auto dt = partial.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "tokenweave: dtype must be bf16 or fp16");
+  TORCH_CHECK(world >= 2 && world <= kMaxRanks, "tokenweave: world size ", world,
+              " out of range 2..", kMaxRanks);
+  TORCH_CHECK(rank >= 0 && rank < world, "tokenweave: bad rank ", rank);
+  TORCH_CHECK(ctas >= 1 && ctas <= kMaxCtas, "tokenweave: ctas ", ctas, " out of range 1..",
+              kMaxCtas);
+  TORCH_CHECK(bases.is_cuda() && bases.scalar_type() == at::kLong && bases.numel() == 2 * world,
+              "tokenweave: bases must be a CUDA int64 tensor of 2 * world entries");
+  const int64_t chunks = partial.size(0), rows = partial.size(1), hidden = partial.size(2);
+  TORCH_CHECK(chunks == (sequence_parallel ? world : 1), "tokenweave: partial has ", chunks,
+              " chunks");
+  TORCH_CHECK(hidden % kVecElems == 0, "tokenweave: hidden must be a multiple of 8");
+  TORCH_CHECK(rows < (int64_t{1} << 31) / 4, "tokenweave: too many rows");
+  const int64_t es = partial.element_size();
+  for (const at::Tensor* t : {&residual, static_cast<const at::Tensor*>(&residual_out)}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == dt && t->is_contiguous() &&
+                    t->numel() == rows * hidden,
+                "tokenweave: residual/residual_out must be contiguous [rows, hidden] of partial's "
+                "dtype");
+  }
+  check_in_buffer(partial, "partial", local_base, buffer_bytes, chunks * rows * hidden * es);
+
+  FusedParams p{};
+  p.bases = bases.data_ptr<int64_t>();
+  p.partial_off = reinterpret_cast<int64_t>(partial.data_ptr()) - local_base;
+  p.partial_cstride = rows * hidden * es;
+  p.residual = residual.data_ptr();
+  p.residual_out = residual_out.data_ptr();
+  p.rows = static_cast<int>(rows);
+  p.hidden = static_cast<int>(hidden);
+  p.rank = static_cast<int>(rank);
+  p.world = static_cast<int>(world);
+  p.sequence_parallel = sequence_parallel ? 1 : 0;
+  p.eps = static_cast<float>(eps);
+  p.timeout_ns = static_cast<uint64_t>(timeout_ns);
+  if (weight.has_value()) {
+    TORCH_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
+    const at::Tensor& w = *weight;
+    const at::Tensor& no = *normed_out;
+    TORCH_CHECK(w.is_cuda() && w.scalar_type() == dt && w.is_contiguous() && w.numel() == hidden,
+                "tokenweave: weight must be a contiguous [hidden] tensor of partial's dtype");
+    TORCH_CHECK(no.is_cuda() && no.scalar_type() == dt && no.dim() == 3 &&
+                    no.size(0) == chunks && no.size(1) == rows && no.size(2) == hidden &&
+                    no.stride(2) == 1 && (rows <= 1 || no.stride(1) == hidden),
+                "tokenweave: normed_out must be [chunks, rows, hidden] with dense rows");
+    p.weight = w.data_ptr();
+    if (sequence_parallel) {
+      TORCH_CHECK(chunks == 1 || no.stride(0) >= 0, "tokenweave: negative normed_out stride");
+      const int64_t extent = ((chunks - 1) * no.stride(0) + rows * hidden) * es;
+      check_in_buffer(no, "normed_out", local_base, buffer_bytes, extent);
+      TORCH_CHECK((no.stride(0) * es) % kVecBytes == 0,
+                  "tokenweave: normed_out chunk stride must be a multiple of 16 bytes");
+      p.normed_off = reinterpret_cast<int64_t>(no.data_ptr()) - local_base;
+      p.normed_cstride = no.stride(0) * es;
+    } else {
+      p.normed_local = no.data_ptr();
+    }
+  } else {
+    TORCH_CHECK(!normed_out.has_value(), "tokenweave: normed_out given without a weight");
+  }
+  return p;
+}
+
+template <typename T>
+void launch_p2p(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
+  const LaunchShape s = launch_shape(p.hidden);
+  const int np = np_bucket(p.world);
+  const int rows_it = rows_per_iter(np, s.vpt);
+  const int64_t need = (p.rows + rows_it - 1) / rows_it;
+  const int grid = static_cast<int>(need < ctas ? need : ctas);
+#define TW_LAUNCH(NP, VPT)                                                               \
+  fused_allreduce_rmsnorm_kernel<T, NP, VPT><<<grid, s.threads, 0, stream>>>(p)
+#define TW_VPT(NP)                 \
+  switch (s.vpt) {                 \
+    case 1: TW_LAUNCH(NP, 1); break; \
+    case 2: TW_LAUNCH(NP, 2); break; \
+    case 4: TW_LAUNCH(NP, 4); break; \
+    default: TW_LAUNCH(NP, 8); break; \
+  }
+  switch (np) {
+    case 2: TW_VPT(2); break;
+    case 4: TW_VPT(4); break;
+    default: TW_VPT(8); break;
+  }
+#undef TW_VPT
+#undef TW_LAUNCH
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+template <typename T>
+void launch_multimem(const FusedParams& p, int64_t ctas, char* mc, cudaStream_t stream) {
+  const LaunchShape s = launch_shape(p.hidden);
+  const int grid = static_cast<int>(p.rows < ctas ? p.rows : ctas);
+  switch (s.vpt) {
+    case 1: fused_allreduce_rmsnorm_multimem_kernel<T, 1><<<grid, s.threads, 0, stream>>>(p, mc); break;
+    case 2: fused_allreduce_rmsnorm_multimem_kernel<T, 2><<<grid, s.threads, 0, stream>>>(p, mc); break;
+    case 4: fused_allreduce_rmsnorm_multimem_kernel<T, 4><<<grid, s.threads, 0, stream>>>(p, mc); break;
+    default: fused_allreduce_rmsnorm_multimem_kernel<T, 8><<<grid, s.threads, 0, stream>>>(p, mc); break;
+  }
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+void fused_allreduce_rmsnorm(const at::Tensor& partial, const at::Tensor& residual,
+                             const std::optional<at::Tensor>& weight, double eps,
+                             at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+                             bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal,
+                             int64_t rank, int64_t world, int64_t local_base,
+                             int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns) {
+  (void)signal;  // the kernel reaches the pads through `bases`; the argument orders the op
+  const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
+                                    sequence_parallel, bases, rank, world, local_base,
+                                    buffer_bytes, ctas, timeout_ns);
+  if (p.rows == 0) return;
+  c10::cuda::CUDAGuard guard(partial.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
+  if (partial.scalar_type() == at::kBFloat16)
+    launch_p2p<__nv_bfloat16>(p, ctas, stream);
+  else
+    launch_p2p<__half>(p, ctas, stream);
+}
+
+// UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.
+void fused_allreduce_rmsnorm_multimem(
+    const at::Tensor& partial, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    double eps, at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+    bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal, int64_t rank,
+    int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns,
+    int64_t multicast_base) {
+  (void)signal;
+  TORCH_CHECK(multicast_base != 0, "tokenweave: multimem needs a multicast address");
+  const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
+                                    sequence_parallel, bases, rank, world, local_base,
+                                    buffer_bytes, ctas, timeout_ns);
+  if (p.rows == 0) return;
+  c10::cuda::CUDAGuard guard(partial.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
+  char* mc = reinterpret_cast<char*>(multicast_base);
+  if (partial.scalar_type() == at::kBFloat16)
+    launch_multimem<__nv_bfloat16>(p, ctas, mc, stream);
+  else
+    launch_multimem<__half>(p, ctas, mc, stream);
+}
+
+}  // namespace tokenweave
+
+TORCH_LIBRARY(tokenweave, m) {
+  m.def(
+      "fused_allreduce_rmsnorm(Tensor partial, Tensor residual, Tensor? weight, float eps, "
+      "Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, Tensor bases, "
+      "Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, int ctas, "
+      "int timeout_ns) -> ()");
+  m.def(
+      "fused_allreduce_rmsnorm_multimem(Tensor partial, Tensor residual, Tensor? weight, "
+      "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, "
+      "Tensor bases, Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, "
+      "int ctas, int timeout_ns, int multicast_base) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {
+  m.impl("fused_allreduce_rmsnorm", &tokenweave::fused_allreduce_rmsnorm);
+  m.impl("fused_allreduce_rmsnorm_multimem", &tokenweave::fused_allreduce_rmsnorm_multimem);
+}
+
+#ifdef TORCH_EXTENSION_NAME
+// Importable as a Python module (megatron_tokenweave._C); the ops register on load.
+#include <Python.h>
+#define TW_CAT_(a, b) a##b
+#define TW_CAT(a, b) TW_CAT_(a, b)
+extern "C" PyObject* TW_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+                            nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&def);
+}
+#endif

@@ -1,0 +1,77 @@
+"""TokenWeaveConfig: the knobs of the woven schedule, validated once, overridable from the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["auto", "kernel", "reference"]
+_BACKENDS = ("auto", "kernel", "reference")
+ENV_PREFIX = "TOKENWEAVE_"
+
+
+@dataclass(frozen=True)
+class TokenWeaveConfig:
+    """How a TokenWeave layer splits tokens and communicates.
+
+    split_threshold: token count (rows of the whole forward, all ranks' shards together) from
+        which the tokens are split in two halves; below it one stream runs the fused op alone
+        (decode, small prefill). 0 forces the split whenever there are at least two rows a chunk.
+    split_align: the first half's rows per chunk are rounded down to a multiple of this (GEMM waves).
+    split_offset: rows added to the first half after rounding (wave-aware tuning); may be negative.
+    comm_ctas_attn / comm_ctas_mlp: CTAs of the fused kernel after attention / after the MLP.
+    max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
+    backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
+        (the kernel where every TP rank is on this node with peer access, else reference).
+    defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
+    """
+
+    split_threshold: int = 1024
+    split_align: int = 128
+    split_offset: int = 0
+    comm_ctas_attn: int = 16
+    comm_ctas_mlp: int = 16
+    max_tokens: int = 16384
+    backend: Backend = "auto"
+    defer_across_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.split_threshold < 0:
+            raise ValueError(f"split_threshold must be >= 0, got {self.split_threshold}")
+        if self.split_align < 1:
+            raise ValueError(f"split_align must be >= 1, got {self.split_align}")
+        for name in ("comm_ctas_attn", "comm_ctas_mlp"):
+            value = getattr(self, name)
+            if not 1 <= value <= 1024:
+                raise ValueError(f"{name} must be in [1, 1024], got {value}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+
+    @classmethod
+    def from_env(cls, base: TokenWeaveConfig | None = None) -> TokenWeaveConfig:
+        """`base` with fields overridden by TOKENWEAVE_<FIELD> variables (e.g. TOKENWEAVE_BACKEND)."""
+        base = base or cls()
+        changes: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            raw = os.environ.get(ENV_PREFIX + field.name.upper())
+            if raw is None:
+                continue
+            current = getattr(base, field.name)
+            try:
+                if isinstance(current, bool):
+                    if raw.lower() not in ("0", "1", "true", "false"):
+                        raise ValueError(raw)
+                    changes[field.name] = raw.lower() in ("1", "true")
+                elif isinstance(current, int):
+                    changes[field.name] = int(raw)
+                else:
+                    changes[field.name] = raw
+            except ValueError:
+                raise ValueError(
+                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {type(current).__name__}"
+                ) from None
+        return dataclasses.replace(base, **changes)

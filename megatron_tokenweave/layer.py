@@ -1,0 +1,254 @@
+"""TokenWeaveTransformerLayer: Megatron's TransformerLayer with the woven schedule of DESIGN.md.
+
+Per layer, with the tokens split in halves A and B (rows of every chunk; a chunk is one rank's
+sequence shard, or all rows without sequence parallelism):
+
+    main stream                          side stream
+    qkv(A)                               fused op(B) of the previous layer's MLP (deferred)
+    qkv(B), attention (whole), proj(A)
+    proj(B)                              fused op(A): all-reduce + add + pre-MLP RMSNorm
+    MLP(A)                               fused op(B)
+    MLP(B)                               fused op(A): all-reduce + add + next layer's RMSNorm
+                                         fused op(B) -> handed to the next layer
+
+Below the split threshold there is one half and the fused op runs on the main stream.
+Where the fused path does not apply, the stock TransformerLayer.forward runs (logged once).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.linears import Weave, WovenLinearMixin
+from megatron_tokenweave.log import log_once
+from megatron_tokenweave.norm import norm_weight_eps
+from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
+from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
+from megatron_tokenweave.schedule import Half, Handoff, SideStream, WeaveChain, plan_halves
+from megatron_tokenweave.workspace import get_workspace
+
+_CHAIN_ATTR = "_tokenweave_last_built_layer"
+
+
+class TokenWeaveTransformerLayer(TransformerLayer):
+    """A TransformerLayer whose row-parallel all-reduces and the norms after them are fused and
+    overlapped with the other half of the tokens. Same parameters and checkpoint keys as the
+    stock layer built from the same spec.
+    """
+
+    def __init__(self, *args: Any, tokenweave_config: TokenWeaveConfig | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tokenweave_config = TokenWeaveConfig.from_env(tokenweave_config)
+        self._chain = self._join_chain()
+        self._register_load_state_dict_pre_hook(self._accept_stock_norm_keys)
+
+    def _accept_stock_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
+        """Load TE-spec state dicts, whose norm weights live in the fused TE linears."""
+        for ours, theirs in self.submodules_config.sharded_state_dict_keys_map.items():
+            for suffix in ("weight", "bias"):
+                stock_key, our_key = prefix + theirs + suffix, prefix + ours + suffix
+                if stock_key in state_dict and our_key not in state_dict:
+                    state_dict[our_key] = state_dict.pop(stock_key)
+
+    # ----------------------------------------------------------------- construction
+    def _join_chain(self) -> WeaveChain:
+        """Share the chain of the layer built just before this one, if it is our predecessor."""
+        ref = getattr(self.config, _CHAIN_ATTR, None)
+        prev = ref() if ref is not None else None
+        object.__setattr__(self.config, _CHAIN_ATTR, weakref.ref(self))
+        if (
+            isinstance(prev, TokenWeaveTransformerLayer)
+            and prev.layer_number == self.layer_number - 1
+            and prev.tp_group is self.tp_group
+        ):
+            prev._chain.link(prev, self)
+            return prev._chain
+        return WeaveChain()
+
+    # ----------------------------------------------------------------- policy
+    def _unsupported_reason(self, hidden_states: torch.Tensor) -> str | None:
+        """Why the fused path cannot run this call (None when it can)."""
+        cfg = self.config
+        if self.tp_group is None or dist.get_world_size(self.tp_group) < 2:
+            return "tensor-parallel size is 1"
+        if torch.is_grad_enabled():
+            return "gradients are enabled (TokenWeave is an inference schedule)"
+        if cfg.normalization != "RMSNorm":
+            return f"normalization is {cfg.normalization}, the fused op is RMSNorm"
+        if norm_weight_eps(self.input_layernorm) is None or norm_weight_eps(
+            self.pre_mlp_layernorm
+        ) is None:
+            return "the layer's norms are not plain RMSNorm modules"
+        if hidden_states.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {hidden_states.dtype} is not supported"
+        if hidden_states.dtype not in KERNEL_DTYPES and hidden_states.is_cuda:
+            return f"the CUDA kernel takes bf16/fp16, not {hidden_states.dtype}"
+        if cfg.hidden_size % VECTOR_ELEMS != 0:
+            return f"hidden size {cfg.hidden_size} is not a multiple of {VECTOR_ELEMS}"
+        if cfg.fp32_residual_connection:
+            return "fp32_residual_connection is set"
+        if cfg.context_parallel_size > 1:
+            return "context parallelism is not supported"
+        if getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None):
+            return "fp8/fp4 GEMMs are not supported"
+        if not isinstance(self.cross_attention, IdentityOp):
+            return "cross-attention layers are not supported"
+        linears = (
+            getattr(self.self_attention, "linear_qkv", None),
+            getattr(self.self_attention, "linear_proj", None),
+            getattr(self.mlp, "linear_fc1", None),
+            getattr(self.mlp, "linear_fc2", None),
+        )
+        if not all(isinstance(m, WovenLinearMixin) for m in linears):
+            return "the MLP/attention linears are not TokenWeave linears (e.g. an MoE layer)"
+        if hidden_states.dim() != 3 or not hidden_states.is_contiguous():
+            return "hidden_states is not a contiguous [s, b, h] tensor"
+        return None
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+        handoff = self._chain.claim(hidden_states)
+        reason = self._unsupported_reason(hidden_states)
+        if reason is not None:
+            log_once(f"fallback:{reason}", f"TokenWeave: stock TransformerLayer path ({reason})")
+            return super().forward(hidden_states, *args, **kwargs)
+        if args:
+            raise TypeError("TokenWeaveTransformerLayer takes the layer's arguments by keyword")
+        return self._woven_forward(hidden_states, handoff, kwargs), kwargs.get("context")
+
+    def _woven_forward(
+        self, x: torch.Tensor, handoff: Handoff | None, attn_kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        cfg = self.tokenweave_config
+        group = self.tp_group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        sp = bool(self.config.sequence_parallel)
+        layout = Layout.SEQUENCE_PARALLEL if sp else Layout.REPLICATED
+        s_local, batch, hidden = x.shape
+        chunks, n = (world if sp else 1), s_local * batch
+        ws = get_workspace(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
+        ws.check_capacity(chunks * n)
+        halves = plan_halves(n, chunks, cfg)
+        side = self._chain.side_stream(x.device)
+        split = len(halves) > 1
+
+        normed = ws.normed[: chunks * n].view(chunks, n, hidden)
+        partials = tuple(
+            ws.partial[chunks * h.offset : chunks * (h.offset + h.rows)].view(chunks, h.rows, hidden)
+            for h in halves
+        )
+        residual_in = x.view(n, hidden)
+        out = torch.empty_like(x)
+        residual = out.view(n, hidden)
+
+        input_events = self._input_events(handoff, halves)
+        if input_events is None:
+            self._input_norm(x, normed, sp)
+            input_events = (None,) * len(halves)
+
+        def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, events: list) -> None:
+            half = halves[i]
+            rows = slice(half.offset, half.offset + half.rows)
+            weight, eps = norm if norm is not None else (None, 0.0)
+            call = (ws, partials[i], src[rows], weight, eps, residual[rows])
+            tail = (half.of(normed) if weight is not None else None, layout, ctas)
+            if not split:
+                fused_allreduce_rmsnorm(*call, *tail)
+                events.append(None)
+                return
+            with side.run():
+                fused_allreduce_rmsnorm(*call, *tail)
+            events.append(side.record())
+
+        # Attention: qkv per half as its input arrives, attention whole, proj per half + fused op.
+        attn_events: list = []
+        pre_mlp = norm_weight_eps(self.pre_mlp_layernorm)
+        attention = self.self_attention
+        attention.linear_qkv.weave = Weave(chunks, halves, before=lambda i: side.wait(input_events[i]))
+        attention.linear_proj.weave = Weave(
+            chunks, halves, partials=partials, add_bias=rank == 0,
+            after=lambda i: launch(i, residual_in, pre_mlp, cfg.comm_ctas_attn, attn_events),
+        )
+        try:
+            attention(normed.view(chunks * s_local, batch, hidden), **_attention_kwargs(attn_kwargs))
+        finally:
+            attention.linear_qkv.weave = attention.linear_proj.weave = None
+
+        # MLP per half; its fused op also applies the next layer's input norm when there is one.
+        successor = self._chain.successor(self)
+        next_norm = norm_weight_eps(successor.input_layernorm) if successor is not None else None
+        mlp_events: list = []
+        mlp = self.mlp
+        try:
+            for i, half in enumerate(halves):
+                side.wait(attn_events[i])
+                whole = (Half(0, half.rows),)
+                mlp.linear_fc1.weave = Weave(chunks, whole)
+                mlp.linear_fc2.weave = Weave(
+                    chunks, whole, partials=(partials[i],), add_bias=rank == 0,
+                    after=lambda _, i=i: launch(i, residual, next_norm, cfg.comm_ctas_mlp, mlp_events),
+                )
+                mlp(half.of(normed))
+        finally:
+            mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
+
+        defer = next_norm is not None and cfg.defer_across_layers and not _capturing(x)
+        if not defer:
+            for event in mlp_events:
+                side.wait(event)
+            mlp_events = [None] * len(halves)
+        if next_norm is not None:
+            self._chain.pending = Handoff(out, normed, halves, tuple(mlp_events))
+        return out
+
+    @staticmethod
+    def _input_events(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple | None:
+        """Per-half events guarding the handed-off normed input, or None to compute it here."""
+        if handoff is None:
+            return None
+        if handoff.halves == halves:
+            return handoff.events
+        for event in handoff.events:
+            SideStream.wait(event)
+        return (None,) * len(halves)
+
+    def _input_norm(self, x: torch.Tensor, normed: torch.Tensor, sp: bool) -> None:
+        """normed[C, n, H] <- the input norm of every row (gathered under sequence parallelism)."""
+        local = self.input_layernorm(x).reshape(-1, x.shape[-1])
+        if sp:
+            flat = normed.view(-1, x.shape[-1])
+            dist.all_gather_into_tensor(flat, local.contiguous(), group=self.tp_group)
+        else:
+            normed[0].copy_(local)
+
+
+_ATTENTION_KEYS = (
+    "attention_mask",
+    "inference_context",
+    "rotary_pos_emb",
+    "rotary_pos_cos",
+    "rotary_pos_sin",
+    "rotary_pos_cos_sin",
+    "attention_bias",
+    "packed_seq_params",
+    "sequence_len_offset",
+)
+
+
+def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The layer's keyword arguments that SelfAttention.forward takes."""
+    kwargs = dict(kwargs)
+    if kwargs.get("inference_context") is None and kwargs.get("inference_params") is not None:
+        kwargs["inference_context"] = kwargs["inference_params"]
+    return {k: kwargs[k] for k in _ATTENTION_KEYS if k in kwargs}
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,119 @@
+"""Linears of the woven layer: Megatron's own column/row-parallel linears (local or TE), same
+parameters and checkpoint keys, that run a per-half schedule when the layer hands them a weave.
+
+Without a weave they behave exactly like their stock parents (the fallback path). With one:
+- a column-parallel linear takes the already-gathered normed input (no all-gather of its own)
+  and computes it half by half, waiting for each half's communication to finish;
+- a row-parallel linear writes its un-reduced partial sum of each half straight into the
+  communication workspace and calls back, so the layer can launch that half's fused op at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_tokenweave.schedule import Half
+
+
+def _bias(module: torch.nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) and bias.numel() > 0 else None
+
+
+@dataclass
+class Weave:
+    """One call's plan: inputs viewed as [chunks, rows_per_chunk, features], split in `halves`.
+
+    before(i): called before half i's GEMM (the layer makes the stream wait for its input).
+    partials: row-parallel only: half i's [chunks, rows, out] destination in the workspace.
+    after(i): row-parallel only: called once half i's partial sum is queued.
+    add_bias: row-parallel only: whether this rank adds the bias into its partial sum (one rank
+        does, so the reduction adds it once).
+    """
+
+    chunks: int
+    halves: tuple[Half, ...]
+    before: Callable[[int], None] | None = None
+    partials: tuple[torch.Tensor, ...] = ()
+    after: Callable[[int], None] | None = None
+    add_bias: bool = False
+
+    def column(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        weight, bias = module.weight, _bias(module)
+        skip = bool(getattr(module, "skip_bias_add", False))
+        x3 = x.reshape(self.chunks, -1, x.shape[-1])
+        use_bias = None if skip else bias
+        if len(self.halves) == 1 and self.halves[0].rows == x3.shape[1]:
+            if self.before is not None:
+                self.before(0)
+            out = F.linear(x3, weight, use_bias)
+        else:
+            out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
+            for i, half in enumerate(self.halves):
+                if self.before is not None:
+                    self.before(i)
+                half.of(out).copy_(F.linear(half.of(x3), weight, use_bias))
+        return out.view(*x.shape[:-1], weight.shape[0]), (bias if skip else None)
+
+    def row(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        weight, bias = module.weight, _bias(module)
+        x3 = x.reshape(self.chunks, -1, x.shape[-1])
+        for i, half in enumerate(self.halves):
+            if self.before is not None:
+                self.before(i)
+            dst = self.partials[i]
+            torch.matmul(half.of(x3), weight.t(), out=dst)
+            if bias is not None and self.add_bias:
+                dst.add_(bias)
+            if self.after is not None:
+                self.after(i)
+        return self.partials[-1], None
+
+
+class WovenLinearMixin:
+    """Stock forward unless the layer set `self.weave` for the duration of a call."""
+
+    weave: Weave | None = None
+    _woven_role = "column"
+
+    def forward(self, input_: torch.Tensor, *args, **kwargs):
+        weave = self.weave
+        if weave is None:
+            return super().forward(input_, *args, **kwargs)
+        return getattr(weave, self._woven_role)(self, input_)
+
+
+class WovenColumnParallelLinear(WovenLinearMixin, ColumnParallelLinear):
+    """ColumnParallelLinear whose woven forward takes the gathered normed input."""
+
+
+class WovenRowParallelLinear(WovenLinearMixin, RowParallelLinear):
+    """RowParallelLinear whose woven forward returns un-reduced partial sums in the workspace."""
+
+    _woven_role = "row"
+
+
+try:  # TE flavour: only where TransformerEngine imports (never on CPU machines).
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear,
+        TERowParallelLinear,
+    )
+
+    class WovenTEColumnParallelLinear(WovenLinearMixin, TEColumnParallelLinear):
+        """TEColumnParallelLinear (no fused norm) whose woven forward takes the gathered input."""
+
+    class WovenTERowParallelLinear(WovenLinearMixin, TERowParallelLinear):
+        """TERowParallelLinear whose woven forward returns un-reduced partial sums."""
+
+        _woven_role = "row"
+
+    HAVE_TE = True
+except Exception:  # noqa: BLE001 - any TE import failure means "no TE flavour"
+    WovenTEColumnParallelLinear = None  # type: ignore[assignment,misc]
+    WovenTERowParallelLinear = None  # type: ignore[assignment,misc]
+    HAVE_TE = False

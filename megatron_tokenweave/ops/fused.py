@@ -1,0 +1,48 @@
+"""One entry point for the fused op; the workspace decides which backend runs it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
+from megatron_tokenweave.ops.validate import Layout
+
+if TYPE_CHECKING:
+    from megatron_tokenweave.workspace import Workspace
+
+
+def fused_allreduce_rmsnorm(
+    workspace: Workspace,
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual_out: torch.Tensor,
+    normed_out: torch.Tensor | None,
+    layout: Layout,
+    ctas: int = 16,
+) -> None:
+    """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
+
+    partial: [C, n, H], C = TP size (sequence-parallel: chunk r is reduced onto rank r) or 1
+        (replicated: every rank reduces every row). On the kernel backend it must lie in
+        `workspace.partial` (the symmetric buffer peers read from).
+    residual / residual_out: [n, H] this rank's rows (residual_out may alias residual).
+    weight: [H] norm weight, or None to add only (then normed_out is None).
+    normed_out: [C, n, H] with dense rows and any chunk stride: the normed rows of every chunk,
+        on every rank. On the kernel backend it must lie in `workspace.normed`.
+    ctas: CTAs the kernel may use (ignored by the reference).
+    """
+    if workspace.backend == "kernel":
+        from megatron_tokenweave import kernels
+
+        kernels.fused_allreduce_rmsnorm(
+            workspace.symmetric, partial, residual, weight, eps, residual_out, normed_out,
+            layout, ctas,
+        )
+    else:
+        fused_allreduce_rmsnorm_reference(
+            partial, residual, weight, eps, residual_out, normed_out, layout, workspace.group
+        )

@@ -1,0 +1,92 @@
+"""Argument checks shared by every backend of the fused op: one contract, one set of errors."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
+
+
+class Layout(str, enum.Enum):
+    """Where the reduced rows live after the op (DESIGN.md)."""
+
+    SEQUENCE_PARALLEL = "sequence_parallel"  # rank r keeps rows of chunk r; normed rows go to all
+    REPLICATED = "replicated"  # every rank keeps every row
+
+
+class TokenWeaveInputError(ValueError):
+    """Raised for arguments the fused op cannot take; the message says which and why."""
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Last two dims dense (rows of `hidden` elements back to back); the chunk stride is free."""
+    return t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == t.shape[-1])
+
+
+def check_fused_args(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual_out: torch.Tensor,
+    normed_out: torch.Tensor | None,
+    layout: Layout,
+    world: int,
+) -> None:
+    """Validate the fused op's arguments; raise TokenWeaveInputError with a clear message."""
+    if not isinstance(layout, Layout):
+        raise TokenWeaveInputError(f"layout must be a Layout, got {layout!r}")
+    if partial.dim() != 3:
+        raise TokenWeaveInputError(
+            f"partial must be [chunks, rows, hidden], got shape {tuple(partial.shape)}"
+        )
+    chunks, rows, hidden = partial.shape
+    want_chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
+    if chunks != want_chunks:
+        raise TokenWeaveInputError(
+            f"{layout.value} layout needs partial.shape[0] == {want_chunks} "
+            f"(TP group of {world}), got {chunks}"
+        )
+    if partial.dtype not in SUPPORTED_DTYPES:
+        raise TokenWeaveInputError(f"unsupported dtype {partial.dtype}; use bf16, fp16 or fp32")
+    if hidden % VECTOR_ELEMS != 0:
+        raise TokenWeaveInputError(
+            f"hidden size {hidden} is not a multiple of {VECTOR_ELEMS} (16-byte vectors)"
+        )
+    if not partial.is_contiguous():
+        raise TokenWeaveInputError("partial must be contiguous")
+    for name, t, shape in (
+        ("residual", residual, (rows, hidden)),
+        ("residual_out", residual_out, (rows, hidden)),
+    ):
+        if tuple(t.shape) != shape:
+            raise TokenWeaveInputError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != partial.dtype:
+            raise TokenWeaveInputError(f"{name} dtype {t.dtype} != partial dtype {partial.dtype}")
+        if not t.is_contiguous():
+            raise TokenWeaveInputError(f"{name} must be contiguous")
+        if t.device != partial.device:
+            raise TokenWeaveInputError(f"{name} is on {t.device}, partial on {partial.device}")
+    if weight is None:
+        if normed_out is not None:
+            raise TokenWeaveInputError("normed_out given without a norm weight")
+        return
+    if tuple(weight.shape) != (hidden,):
+        raise TokenWeaveInputError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
+    if weight.dtype != partial.dtype or weight.device != partial.device:
+        raise TokenWeaveInputError(
+            f"weight must be {partial.dtype} on {partial.device}, got {weight.dtype} on {weight.device}"
+        )
+    if normed_out is None:
+        raise TokenWeaveInputError("normed_out is required when a norm weight is given")
+    if tuple(normed_out.shape) != (chunks, rows, hidden):
+        raise TokenWeaveInputError(
+            f"normed_out must have shape {(chunks, rows, hidden)}, got {tuple(normed_out.shape)}"
+        )
+    if normed_out.dtype != partial.dtype or normed_out.device != partial.device:
+        raise TokenWeaveInputError("normed_out must match partial's dtype and device")
+    if not _rows_contiguous(normed_out):
+        raise TokenWeaveInputError("normed_out rows must be dense (stride(-1)=1, stride(-2)=hidden)")

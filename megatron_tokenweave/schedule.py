@@ -1,0 +1,144 @@
+"""The woven schedule's building blocks: where tokens are split, the side stream, and the hand-off
+of half-finished work from one layer to the next (one WeaveChain per decoder block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tokenweave.config import TokenWeaveConfig
+
+
+@dataclass(frozen=True)
+class Half:
+    """Rows [offset, offset + rows) of every chunk (a chunk: one rank's shard, or all rows)."""
+
+    offset: int
+    rows: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This half's rows of a [chunks, rows_per_chunk, ...] tensor (a view)."""
+        return t[:, self.offset : self.offset + self.rows]
+
+
+def plan_halves(rows_per_chunk: int, chunks: int, cfg: TokenWeaveConfig) -> tuple[Half, ...]:
+    """One half (no split) below the threshold, else two, the first aligned for GEMM waves."""
+    n = rows_per_chunk
+    if n < 2 or chunks * n < max(cfg.split_threshold, 2):
+        return (Half(0, n),)
+    first = (n // 2) // cfg.split_align * cfg.split_align + cfg.split_offset
+    if not 0 < first < n:
+        first = n // 2
+    return (Half(0, first), Half(first, n - first))
+
+
+class SideStream:
+    """A higher-priority CUDA stream for communication, with a small ring of reusable events.
+
+    On CPU every method is a no-op and the work runs inline, so the schedule is device-agnostic.
+    """
+
+    RING = 16
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        if self.enabled:
+            _, high = torch.cuda.Stream.priority_range()
+            self.stream = torch.cuda.Stream(device=device, priority=high)
+            self._events = [torch.cuda.Event() for _ in range(self.RING)]
+            self._next = 0
+
+    def _event(self) -> torch.cuda.Event:
+        ev = self._events[self._next]
+        self._next = (self._next + 1) % self.RING
+        return ev
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        """Run the body on the side stream after the work queued so far on the current stream."""
+        if not self.enabled:
+            yield
+            return
+        fork = self._event()
+        fork.record()
+        self.stream.wait_event(fork)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event marking the side stream's work so far (None on CPU)."""
+        if not self.enabled:
+            return None
+        ev = self._event()
+        ev.record(self.stream)
+        return ev
+
+    @staticmethod
+    def wait(event: torch.cuda.Event | None) -> None:
+        """Make the current stream wait for `event` (no host synchronisation)."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def join(self) -> None:
+        """The current stream waits for everything queued on the side stream."""
+        if self.enabled:
+            self.wait(self.record())
+
+
+@dataclass
+class Handoff:
+    """What a layer leaves its successor: the residual it returned, the successor's normed input
+    ([chunks, rows, H], written on the side stream) and one event per half saying when it is ready."""
+
+    residual: torch.Tensor
+    normed: torch.Tensor
+    halves: tuple[Half, ...]
+    events: tuple[torch.cuda.Event | None, ...]
+
+
+class WeaveChain:
+    """State shared by the TokenWeave layers of one decoder block.
+
+    Layers built one after another with consecutive numbers join the chain of their predecessor,
+    so layer i knows layer i+1's input norm and can fuse it into its post-MLP op. At run time
+    every hand-off is checked by tensor identity: a layer that is given anything but what its
+    predecessor returned waits for the pending work and normalizes its input itself.
+    """
+
+    def __init__(self) -> None:
+        self._successor: dict[int, weakref.ReferenceType] = {}
+        self.pending: Handoff | None = None
+        self.side: SideStream | None = None
+
+    def link(self, prev_layer: torch.nn.Module, layer: torch.nn.Module) -> None:
+        self._successor[id(prev_layer)] = weakref.ref(layer)
+
+    def successor(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        ref = self._successor.get(id(layer))
+        return ref() if ref is not None else None
+
+    def side_stream(self, device: torch.device) -> SideStream:
+        if self.side is None:
+            self.side = SideStream(device)
+        return self.side
+
+    def claim(self, hidden_states: torch.Tensor) -> Handoff | None:
+        """The pending hand-off if it was made for `hidden_states`; else settle it and return None."""
+        pending = self.pending
+        if pending is not None and pending.residual is hidden_states:
+            self.pending = None
+            return pending
+        self.settle()
+        return None
+
+    def settle(self) -> None:
+        """Wait (on the current stream) for a hand-off nobody claimed."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            for event in pending.events:
+                SideStream.wait(event)

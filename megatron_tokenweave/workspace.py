@@ -1,0 +1,128 @@
+"""Communication buffers of one TP group, sized once: row-parallel GEMMs write partial sums here and
+the fused op writes normed rows here, so the hot path neither allocates nor copies into comm buffers.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megatron_tokenweave.log import log_once
+from megatron_tokenweave.ops.validate import TokenWeaveInputError
+
+
+class WorkspaceCapacityError(TokenWeaveInputError):
+    """A forward has more token rows than the workspace was sized for."""
+
+
+def _peer_reachable(group: dist.ProcessGroup, device: torch.device) -> tuple[bool, str]:
+    """True when every rank of `group` is a GPU of this node that this GPU can access directly."""
+    world = dist.get_world_size(group)
+    mine = (socket.gethostname(), device.index if device.index is not None else -1)
+    everyone: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    hosts = {entry[0] for entry in everyone if entry is not None}
+    if len(hosts) != 1:
+        return False, f"the TP group spans {len(hosts)} nodes"
+    for _, index in everyone:
+        if index != mine[1] and not torch.cuda.can_device_access_peer(mine[1], index):
+            return False, f"GPU {mine[1]} has no peer access to GPU {index}"
+    return True, ""
+
+
+def resolve_backend(requested: str, group: dist.ProcessGroup, device: torch.device) -> str:
+    """Pick "kernel" or "reference" for `requested` in {auto, kernel, reference} (collective)."""
+    if requested == "reference":
+        return "reference"
+    from megatron_tokenweave import kernels
+
+    usable, why = (False, "the device is not a CUDA GPU")
+    if device.type == "cuda":
+        usable, why = kernels.available()
+        if usable:
+            usable, why = _peer_reachable(group, device)
+    if usable:
+        return "kernel"
+    if requested == "kernel":
+        raise RuntimeError(f"TokenWeave backend 'kernel' was requested but cannot run: {why}")
+    log_once(f"backend:{why}", f"TokenWeave: using the torch.distributed reference op ({why})")
+    return "reference"
+
+
+class Workspace:
+    """`partial` and `normed`: [max_tokens, hidden] buffers of one (group, dtype, hidden, device).
+
+    On the kernel backend both live in one symmetric (CUDA IPC) allocation mapped on every rank.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        max_tokens: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str,
+    ) -> None:
+        self.group = group
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.dtype = dtype
+        self.backend = resolve_backend(backend, group, device)
+        numel = max_tokens * hidden
+        self.symmetric = None
+        if self.backend == "kernel":
+            from megatron_tokenweave import kernels
+
+            nbytes = 2 * numel * torch.finfo(dtype).bits // 8
+            self.symmetric = kernels.SymmetricBuffer(group, nbytes, device)
+            flat = self.symmetric.local[:nbytes].view(dtype)
+        else:
+            flat = torch.empty(2 * numel, dtype=dtype, device=device)
+        self.partial = flat[:numel].view(max_tokens, hidden)
+        self.normed = flat[numel:].view(max_tokens, hidden)
+
+    def is_buffer_size_sufficient(self, rows: int) -> bool:
+        return rows <= self.max_tokens
+
+    def check_capacity(self, rows: int) -> None:
+        if not self.is_buffer_size_sufficient(rows):
+            raise WorkspaceCapacityError(
+                f"this forward has {rows} token rows but the TokenWeave workspace holds "
+                f"{self.max_tokens}; raise TokenWeaveConfig.max_tokens (TOKENWEAVE_MAX_TOKENS)"
+            )
+
+    def destroy(self) -> None:
+        if self.symmetric is not None:
+            self.symmetric.close()
+            self.symmetric = None
+
+
+_workspaces: dict[tuple, Workspace] = {}
+
+
+def get_workspace(
+    group: dist.ProcessGroup,
+    max_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str,
+) -> Workspace:
+    """The workspace of this group/dtype/hidden/device, created on first use (a collective)."""
+    key = (group, hidden, dtype, device, backend)
+    ws = _workspaces.get(key)
+    if ws is None or ws.max_tokens < max_tokens:
+        if ws is not None:
+            ws.destroy()
+        ws = _workspaces[key] = Workspace(group, max_tokens, hidden, dtype, device, backend)
+    return ws
+
+
+def destroy_workspaces() -> None:
+    """Free every workspace (before destroying process groups)."""
+    for ws in _workspaces.values():
+        ws.destroy()
+    _workspaces.clear()
