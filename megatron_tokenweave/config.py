@@ -1,4 +1,4 @@
-"""TokenWeaveConfig: the knobs of the woven schedule, validated once, overridable from the environment."""
+"""TokenWeaveConfig: the woven schedule's knobs, validated once, overridable by environment."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ class TokenWeaveConfig:
     split_threshold: token count (rows of the whole forward, all ranks' shards together) from
         which the tokens are split in two halves; below it one stream runs the fused op alone
         (decode, small prefill). 0 forces the split whenever there are at least two rows a chunk.
-    split_align: the first half's rows per chunk are rounded down to a multiple of this (GEMM waves).
+    split_align: the first half's rows per chunk are rounded down to a multiple of this
+        (GEMM waves).
     split_offset: rows added to the first half after rounding (wave-aware tuning); may be negative.
     comm_ctas_attn / comm_ctas_mlp: CTAs of the fused kernel after attention / after the MLP.
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
@@ -53,7 +54,7 @@ class TokenWeaveConfig:
 
     @classmethod
     def from_env(cls, base: TokenWeaveConfig | None = None) -> TokenWeaveConfig:
-        """`base` with fields overridden by TOKENWEAVE_<FIELD> variables (e.g. TOKENWEAVE_BACKEND)."""
+        """`base` with fields overridden by TOKENWEAVE_<FIELD> variables (TOKENWEAVE_BACKEND)."""
         base = base or cls()
         changes: dict[str, object] = {}
         for field in dataclasses.fields(cls):
@@ -72,6 +73,7 @@ class TokenWeaveConfig:
                     changes[field.name] = raw
             except ValueError:
                 raise ValueError(
-                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {type(current).__name__}"
+                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid "
+                    f"{type(current).__name__}"
                 ) from None
         return dataclasses.replace(base, **changes)

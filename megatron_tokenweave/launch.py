@@ -26,7 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue
+) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -42,8 +44,9 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int = 2, *args: Any, backend: str | None = None,
-          timeout: float = 600.0) -> list[Any]:
+def spawn(
+    fn: Callable, world: int = 2, *args: Any, backend: str | None = None, timeout: float = 600.0
+) -> list[Any]:
     """Run fn(rank, world, *args) on `world` ranks; return the per-rank results or raise."""
     backend = backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
     os.environ.update(NO_MULTICAST_ENV)

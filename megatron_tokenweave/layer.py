@@ -43,7 +43,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
     stock layer built from the same spec.
     """
 
-    def __init__(self, *args: Any, tokenweave_config: TokenWeaveConfig | None = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, tokenweave_config: TokenWeaveConfig | None = None, **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         self.tokenweave_config = TokenWeaveConfig.from_env(tokenweave_config)
         self._chain = self._join_chain()
@@ -82,9 +84,10 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return "gradients are enabled (TokenWeave is an inference schedule)"
         if cfg.normalization != "RMSNorm":
             return f"normalization is {cfg.normalization}, the fused op is RMSNorm"
-        if norm_weight_eps(self.input_layernorm) is None or norm_weight_eps(
-            self.pre_mlp_layernorm
-        ) is None:
+        if (
+            norm_weight_eps(self.input_layernorm) is None
+            or norm_weight_eps(self.pre_mlp_layernorm) is None
+        ):
             return "the layer's norms are not plain RMSNorm modules"
         if hidden_states.dtype not in SUPPORTED_DTYPES:
             return f"dtype {hidden_states.dtype} is not supported"
@@ -141,7 +144,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
         normed = ws.normed[: chunks * n].view(chunks, n, hidden)
         partials = tuple(
-            ws.partial[chunks * h.offset : chunks * (h.offset + h.rows)].view(chunks, h.rows, hidden)
+            ws.partial[chunks * h.offset : chunks * (h.offset + h.rows)].view(
+                chunks, h.rows, hidden
+            )
             for h in halves
         )
         residual_in = x.view(n, hidden)
@@ -171,13 +176,20 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         attn_events: list = []
         pre_mlp = norm_weight_eps(self.pre_mlp_layernorm)
         attention = self.self_attention
-        attention.linear_qkv.weave = Weave(chunks, halves, before=lambda i: side.wait(input_events[i]))
+        attention.linear_qkv.weave = Weave(
+            chunks, halves, before=lambda i: side.wait(input_events[i])
+        )
         attention.linear_proj.weave = Weave(
-            chunks, halves, partials=partials, add_bias=rank == 0,
+            chunks,
+            halves,
+            partials=partials,
+            add_bias=rank == 0,
             after=lambda i: launch(i, residual_in, pre_mlp, cfg.comm_ctas_attn, attn_events),
         )
         try:
-            attention(normed.view(chunks * s_local, batch, hidden), **_attention_kwargs(attn_kwargs))
+            attention(
+                normed.view(chunks * s_local, batch, hidden), **_attention_kwargs(attn_kwargs)
+            )
         finally:
             attention.linear_qkv.weave = attention.linear_proj.weave = None
 
@@ -192,8 +204,13 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 whole = (Half(0, half.rows),)
                 mlp.linear_fc1.weave = Weave(chunks, whole)
                 mlp.linear_fc2.weave = Weave(
-                    chunks, whole, partials=(partials[i],), add_bias=rank == 0,
-                    after=lambda _, i=i: launch(i, residual, next_norm, cfg.comm_ctas_mlp, mlp_events),
+                    chunks,
+                    whole,
+                    partials=(partials[i],),
+                    add_bias=rank == 0,
+                    after=lambda _, i=i: launch(
+                        i, residual, next_norm, cfg.comm_ctas_mlp, mlp_events
+                    ),
                 )
                 mlp(half.of(normed))
         finally:

@@ -1,4 +1,4 @@
-"""The norm modules of the local-flavour spec: torch's own norms, allowed under sequence parallelism.
+"""Norms of the local-flavour spec: torch's own norms, allowed under sequence parallelism.
 
 Megatron's WrappedTorchNorm refuses `sequence_parallel=True`; the woven layer applies the norm
 itself on the fused path, and on the fallback path a plain per-row norm is correct on a
@@ -22,7 +22,9 @@ class TokenWeaveNorm:
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:
-            raise ValueError(f"TokenWeave supports RMSNorm and LayerNorm, not {config.normalization}")
+            raise ValueError(
+                f"TokenWeave supports RMSNorm and LayerNorm, not {config.normalization}"
+            )
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

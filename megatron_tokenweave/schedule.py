@@ -93,7 +93,8 @@ class SideStream:
 @dataclass
 class Handoff:
     """What a layer leaves its successor: the residual it returned, the successor's normed input
-    ([chunks, rows, H], written on the side stream) and one event per half saying when it is ready."""
+    ([chunks, rows, H], written on the side stream) and one event per half saying when it is
+    ready."""
 
     residual: torch.Tensor
     normed: torch.Tensor
@@ -128,7 +129,7 @@ class WeaveChain:
         return self.side
 
     def claim(self, hidden_states: torch.Tensor) -> Handoff | None:
-        """The pending hand-off if it was made for `hidden_states`; else settle it and return None."""
+        """The pending hand-off if it was made for `hidden_states`; else settle it, return None."""
         pending = self.pending
         if pending is not None and pending.residual is hidden_states:
             self.pending = None

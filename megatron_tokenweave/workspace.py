@@ -1,5 +1,6 @@
 """Communication buffers of one TP group, sized once: row-parallel GEMMs write partial sums here and
-the fused op writes normed rows here, so the hot path neither allocates nor copies into comm buffers.
+the fused op writes normed rows here, so the hot path neither allocates nor copies into comm
+buffers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def resolve_backend(requested: str, group: dist.ProcessGroup, device: torch.devi
 
     usable, why = (False, "the device is not a CUDA GPU")
     if device.type == "cuda":
-        usable, why = kernels.available()
+        usable = kernels.is_available()
+        why = "" if usable else "the CUDA extension megatron_tokenweave._C could not be loaded"
         if usable:
             usable, why = _peer_reachable(group, device)
     if usable:

@@ -39,8 +39,8 @@ def fused_allreduce_rmsnorm(
         from megatron_tokenweave import kernels
 
         kernels.fused_allreduce_rmsnorm(
-            workspace.symmetric, partial, residual, weight, eps, residual_out, normed_out,
-            layout, ctas,
+            partial, residual, weight, eps, residual_out, normed_out, layout,
+            workspace.symmetric, ctas=ctas,
         )
     else:
         fused_allreduce_rmsnorm_reference(

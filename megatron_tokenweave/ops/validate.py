@@ -78,7 +78,8 @@ def check_fused_args(
         raise TokenWeaveInputError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
     if weight.dtype != partial.dtype or weight.device != partial.device:
         raise TokenWeaveInputError(
-            f"weight must be {partial.dtype} on {partial.device}, got {weight.dtype} on {weight.device}"
+            f"weight must be {partial.dtype} on {partial.device}, "
+            f"got {weight.dtype} on {weight.device}"
         )
     if normed_out is None:
         raise TokenWeaveInputError("normed_out is required when a norm weight is given")
@@ -89,4 +90,6 @@ def check_fused_args(
     if normed_out.dtype != partial.dtype or normed_out.device != partial.device:
         raise TokenWeaveInputError("normed_out must match partial's dtype and device")
     if not _rows_contiguous(normed_out):
-        raise TokenWeaveInputError("normed_out rows must be dense (stride(-1)=1, stride(-2)=hidden)")
+        raise TokenWeaveInputError(
+            "normed_out rows must be dense (stride(-1)=1, stride(-2)=hidden)"
+        )

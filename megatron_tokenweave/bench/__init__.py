@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m megatron_tokenweave.bench {kernel,block} [options]`."""

@@ -1,0 +1,199 @@
+"""Decoder-block benchmark: stock Megatron spec vs the same with communication removed vs TokenWeave.
+
+    python -m megatron_tokenweave.bench block --out docs/results/block_tp2.json
+
+Per model shape, one 2-rank NCCL run builds a block of `--layers` layers for each implementation
+with the same weights and times them interleaved (CUDA events, medians). `tokens` is the total
+token count of one forward (batch sequences of tokens/batch each). Implementations:
+  <stock>         Megatron's TE spec (`te`) when TE imports, else its local spec (`local`)
+  <stock>_nocomm  the same with the row-parallel all-reduce made a no-op (the ceiling)
+  tokenweave      the TokenWeave spec (replicated layout, like the stock spec)
+  tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from megatron_tokenweave.launch import spawn
+from megatron_tokenweave.models import SHAPES, llama_config
+
+
+@contextlib.contextmanager
+def _no_tp_comm() -> Iterator[None]:
+    """Make the stock row-parallel linears skip their all-reduce / reduce-scatter."""
+    from megatron.core.tensor_parallel import layers
+
+    names = ("reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region")
+    saved = {name: getattr(layers, name) for name in names}
+    for name in names:
+        setattr(layers, name, lambda x, *a, **k: x)
+    patched = []
+    try:
+        import transformer_engine.pytorch.module.linear as te_linear
+
+        saved_te = te_linear.allreduce
+        te_linear.allreduce = lambda x, *a, **k: (x, None)
+        patched.append((te_linear, "allreduce", saved_te))
+    except (ImportError, AttributeError):
+        pass
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(layers, name, fn)
+        for module, name, fn in patched:
+            setattr(module, name, fn)
+
+
+def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_tokenweave.bench.timing import interleaved_medians
+    from megatron_tokenweave.config import TokenWeaveConfig
+    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+    from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec, te_available
+
+    initialize_model_parallel(world)
+    use_te = te_available() and not args.local
+    stock_name = "te" if use_te else "local"
+    stock_spec = (
+        get_gpt_layer_with_transformer_engine_spec()
+        if use_te
+        else get_gpt_layer_local_spec(normalization="RMSNorm")
+    )
+    max_tokens = max(args.tokens)
+    tw_cfg = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=max_tokens))
+    rows: list[dict] = []
+    for model in args.models:
+        shape = SHAPES[model]
+        common = dict(bf16=True, params_dtype=torch.bfloat16)
+        cfg = llama_config(shape, args.layers, world, **common)
+        cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
+        blocks = {
+            stock_name: TransformerBlock(cfg, stock_spec),
+            "tokenweave": TransformerBlock(
+                cfg, get_gpt_decoder_block_tokenweave_spec(cfg, use_te, tw_cfg)
+            ),
+            "tokenweave_sp": TransformerBlock(
+                cfg_sp, get_gpt_decoder_block_tokenweave_spec(cfg_sp, use_te, tw_cfg)
+            ),
+        }
+        state = blocks[stock_name].state_dict()
+        for name, block in blocks.items():
+            block.cuda().to(torch.bfloat16).eval()
+            if name != stock_name:
+                block.load_state_dict(state, strict=True)
+        rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
+        for tokens in args.tokens:
+            for batch in args.batch:
+                seq = tokens // batch
+                rpe = rope(seq)
+                gen = torch.Generator(device="cuda").manual_seed(rank)
+                inputs = [
+                    torch.randn(seq, batch, shape.hidden, device="cuda", dtype=torch.bfloat16,
+                                generator=gen)
+                    for _ in range(3)
+                ]
+                shard = seq // world
+                inputs_sp = [x[rank * shard : (rank + 1) * shard].contiguous() for x in inputs]
+
+                def call(block, xs):
+                    return lambda i: block(hidden_states=xs[i % 3], attention_mask=None,
+                                           rotary_pos_emb=rpe)
+
+                def nocomm(i, fn=call(blocks[stock_name], inputs)):
+                    with _no_tp_comm():
+                        return fn(i)
+
+                candidates = {
+                    stock_name: call(blocks[stock_name], inputs),
+                    f"{stock_name}_nocomm": nocomm,
+                    "tokenweave": call(blocks["tokenweave"], inputs),
+                    "tokenweave_sp": call(blocks["tokenweave_sp"], inputs_sp),
+                }
+                with torch.no_grad():
+                    med = interleaved_medians(candidates, iters=args.iters, warmup=args.warmup)
+                for impl, us in med.items():
+                    rows.append(dict(model=model, impl=impl, tokens=tokens, batch=batch, tp=world,
+                                     us=round(us, 1)))
+                if rank == 0:
+                    print(f"{model} T={tokens} b={batch}: "
+                          + "  ".join(f"{k}={v:.0f}us" for k, v in med.items()), flush=True)
+        del blocks
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in result["rows"]})
+    batches = sorted({r["batch"] for r in result["rows"]})
+    fig, axes = plt.subplots(len(models), len(batches), figsize=(6 * len(batches), 4 * len(models)),
+                             squeeze=False)
+    stock = next(r["impl"] for r in result["rows"] if r["impl"] in ("te", "local"))
+    for i, model in enumerate(models):
+        for j, batch in enumerate(batches):
+            ax = axes[i][j]
+            sel = [r for r in result["rows"] if r["model"] == model and r["batch"] == batch]
+            base = {r["tokens"]: r["us"] for r in sel if r["impl"] == stock}
+            for impl in sorted({r["impl"] for r in sel}):
+                pts = sorted((r["tokens"], base[r["tokens"]] / r["us"]) for r in sel
+                             if r["impl"] == impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_title(f"{model}, batch {batch}, TP={sel[0]['tp']}")
+            ax.set_xlabel("tokens per forward")
+            ax.set_ylabel(f"speed-up over {stock} (higher is better)")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="TokenWeave decoder-block benchmark")
+    parser.add_argument("--models", nargs="+", default=["llama-3.3-70b", "llama-3-8b"],
+                        choices=sorted(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
+    parser.add_argument("--out", default="docs/results/block_tp2.json")
+    args = parser.parse_args(argv)
+    if torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"the block benchmark needs {args.tp} GPUs")
+    rows = spawn(_run, args.tp, args)[0]
+    result = {
+        "gpu": torch.cuda.get_device_name(0),
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m megatron_tokenweave.bench block " + " ".join(argv or sys.argv[2:]),
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    _plot(result, args.out.replace(".json", ".png"))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Kernel benchmark, TP=2: NCCL all-reduce + add + RMSNorm vs torch symmetric-memory two-shot +
+norm vs the tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM.
+
+    python -m megatron_tokenweave.bench kernel --out docs/results/kernel_tp2.json
+    (or python -m megatron_tokenweave.bench.kernel ...)
+
+Spawns 2 processes (NCCL, one GPU each). CUDA events, median of >= 25 timings after a warm-up,
+inputs rotated over > L2 bytes. Never uses NVLink multicast (the env kill-switches are set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+NVLINK_BOUND_GBPS = 381.0
+EPS = 1e-5
+L2_BYTES = 60 << 20
+
+
+def _time(fn, iters: int, warmup: int = 5, stream=None) -> float:
+    """Median microseconds of `iters` back-to-back calls, one event pair each."""
+    for _ in range(warmup):
+        fn(0)
+    torch.cuda.synchronize()
+    s = stream or torch.cuda.current_stream()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(iters)]
+    for i, (a, b) in enumerate(ev):
+        a.record(s)
+        fn(i + 1)
+        b.record(s)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+
+
+def _rot(nbytes: int, cap: int = 8) -> int:
+    return max(2, min(cap, -(-2 * L2_BYTES // max(nbytes, 1))))
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=dev)
+    group = dist.group.WORLD
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.ops.validate import Layout
+
+    H, dtype = args.hidden, torch.bfloat16
+    es = 2
+    w = torch.ones(H, dtype=dtype, device=dev) + 0.01 * torch.randn(H, device=dev).to(dtype)
+    buf = kernels.SymmetricBuffer(group, args.buffer_mb << 20, dev)
+    rows, overlap = [], []
+    symm_reason = None
+    symm = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm = symm_mem
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        symm_reason = f"torch symmetric memory unavailable: {exc!r}"
+
+    def add_row(impl, T, ctas, us):
+        rows.append(dict(impl=impl, tokens=T, hidden=H, dtype="bf16", tp=world, ctas=ctas,
+                         us=round(us, 2)))
+
+    def one_tokens(T):
+        nonlocal symm_reason
+        nbytes = T * H * es
+        k = _rot(nbytes)
+        xs = [torch.randn(T, H, device=dev).to(dtype) for _ in range(k)]
+        r = torch.randn(T, H, device=dev).to(dtype)
+
+        def nccl_norm(i):
+            x = xs[i % k]
+            dist.all_reduce(x, group=group)
+            F.rms_norm(x + r, (H,), w, EPS)
+
+        add_row("nccl+norm", T, 0, _time(nccl_norm, args.iters))
+        if symm is not None:
+            try:
+                sx = symm.empty(T, H, dtype=dtype, device=dev)
+                symm.rendezvous(sx, group.group_name)
+
+                def symm_norm(i):
+                    sx.copy_(xs[i % k])
+                    torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group.group_name)
+                    F.rms_norm(sx + r, (H,), w, EPS)
+
+                add_row("symm_two_shot+norm", T, 0, _time(symm_norm, args.iters))
+            except Exception as exc:
+                symm_reason = f"symm_mem two_shot_all_reduce_ failed: {exc!r}"[:300]
+
+        # tokenweave, sequence-parallel layout: partial [2, T/2, H] and normed [2, T/2, H]
+        n = T // world
+        slot = world * n * H * es
+        k = max(1, min(_rot(slot), (buf.nbytes // slot) - 1))
+        parts = [buf.view(dtype, (world, n, H), j * slot) for j in range(k)]
+        for p in parts:
+            p.normal_()
+        normed = buf.view(dtype, (world, n, H), k * slot)
+        res = torch.randn(n, H, device=dev).to(dtype)
+        res_out = torch.empty_like(res)
+        for ctas in args.ctas:
+            def tw(i, ctas=ctas):
+                kernels.fused_allreduce_rmsnorm(parts[i % k], res, w, EPS, res_out, normed,
+                                                Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
+                                                validate=False)
+
+            add_row("tokenweave", T, ctas, _time(tw, args.iters))
+
+        # Overlap: the kernel on T/2 tokens on a high-priority side stream beside the GEMM
+        # [T/2, H] x [H, 28672] on the main stream.
+        half = T // 2
+        nh = max(1, half // world)
+        a = torch.randn(half, H, device=dev).to(dtype)
+        bmat = torch.randn(H, args.gemm_n, device=dev).to(dtype)
+        part_o = buf.view(dtype, (world, nh, H), 0)
+        normed_o = buf.view(dtype, (world, nh, H), ((world * nh * H * es + 255) // 256) * 256)
+        res_o = torch.randn(nh, H, device=dev).to(dtype)
+        res_oo = torch.empty_like(res_o)
+        side = torch.cuda.Stream(priority=-5)
+        main = torch.cuda.current_stream()
+        gemm_us = _time(lambda i: a @ bmat, args.iters)
+        for ctas in args.ctas:
+            def kern(i, ctas=ctas):
+                kernels.fused_allreduce_rmsnorm(part_o, res_o, w, EPS, res_oo, normed_o,
+                                                Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
+                                                validate=False)
+
+            def both(i, kern=kern):
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    kern(i)
+                a @ bmat
+                main.wait_stream(side)
+
+            kernel_us = _time(kern, args.iters)
+            both_us = _time(both, args.iters)
+            overlap.append(dict(tokens=T, mechanism="tokenweave_p2p_side_stream", ctas=ctas,
+                                gemm_us=round(gemm_us, 2), kernel_us=round(kernel_us, 2),
+                                both_us=round(both_us, 2)))
+    for T in args.tokens:
+        one_tokens(T)
+        torch.cuda.empty_cache()
+    buf.check_error()
+    buf.close()
+    if rank == 0:
+        queue.put(dict(rows=rows, overlap=overlap, symm_reason=symm_reason,
+                       gpu=torch.cuda.get_device_name(dev)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    impls = {}
+    for r in result["rows"]:
+        key = r["impl"] if r["impl"] != "tokenweave" else f"tokenweave {r['ctas']} CTAs"
+        impls.setdefault(key, []).append((r["tokens"], r["us"]))
+    for key, pts in impls.items():
+        pts.sort()
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+    toks = sorted({r["tokens"] for r in result["rows"]})
+    H = result["rows"][0]["hidden"]
+    ax1.plot(toks, [t * H * 2 / (NVLINK_BOUND_GBPS * 1e3) for t in toks], "k--",
+             label="NVLink bound (T*H*2B / 381 GB/s)")
+    ax1.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us",
+            title=f"all-reduce + residual + RMSNorm, TP=2, H={H}, bf16")
+    ax1.legend(fontsize=7)
+    by_ctas = {}
+    for o in result["overlap"]:
+        by_ctas.setdefault(o["ctas"], []).append(o)
+    for ctas, os_ in sorted(by_ctas.items()):
+        os_.sort(key=lambda o: o["tokens"])
+        ax2.plot([o["tokens"] for o in os_],
+                 [(o["gemm_us"] + o["kernel_us"]) / o["both_us"] for o in os_], marker="o",
+                 label=f"{ctas} CTAs")
+    ax2.axhline(1.0, color="k", lw=0.5)
+    ax2.set(xscale="log", xlabel="tokens", ylabel="(gemm + kernel) / both",
+            title="overlap beside GEMM [T/2, H] x [H, 28672] (>1: overlap helps)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m megatron_tokenweave.bench kernel")
+    ap.add_argument("--out", default="docs/results/kernel_tp2.json")
+    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    default=[128, 256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--ctas", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--gemm-n", type=int, default=28672)
+    ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--buffer-mb", type=int, default=768)
+    args = ap.parse_args(argv)
+    os.environ.update(NO_MULTICAST_ENV)
+    if torch.cuda.device_count() < 2:
+        sys.exit("the kernel benchmark needs 2 GPUs")
+    from megatron_tokenweave import kernels
+
+    kernels.load_extension()  # build once before spawning
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_worker, args=(2, port, args, queue), nprocs=2, join=True)
+    got = queue.get()
+    result = dict(gpu=got["gpu"], date=datetime.date.today().isoformat(),
+                  command="python -m megatron_tokenweave.bench kernel " + " ".join(argv or
+                                                                                   sys.argv[1:]),
+                  nvlink_bound_GBps=NVLINK_BOUND_GBPS, rows=got["rows"], overlap=got["overlap"])
+    if got["symm_reason"]:
+        result["symm_two_shot_note"] = got["symm_reason"]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, args.plot or os.path.splitext(args.out)[0] + ".png")
+    _print_table(result)
+    return result
+
+
+def _print_table(result: dict) -> None:
+    H = result["rows"][0]["hidden"]
+    toks = sorted({r["tokens"] for r in result["rows"]})
+    cols = []
+    for r in result["rows"]:
+        c = r["impl"] if r["impl"] != "tokenweave" else f"tw{r['ctas']}"
+        if c not in cols:
+            cols.append(c)
+    table = {(r["tokens"], r["impl"] if r["impl"] != "tokenweave" else f"tw{r['ctas']}"): r["us"]
+             for r in result["rows"]}
+    print("tokens  bound " + " ".join(f"{c:>12}" for c in cols))
+    for t in toks:
+        bound = t * H * 2 / (NVLINK_BOUND_GBPS * 1e3)
+        print(f"{t:6d} {bound:6.1f} " + " ".join(f"{table.get((t, c), float('nan')):12.1f}"
+                                                  for c in cols))
+    print("overlap: tokens ctas gemm_us kernel_us both_us")
+    for o in result["overlap"]:
+        print(f"  {o['tokens']:6d} {o['ctas']:3d} {o['gemm_us']:9.1f} {o['kernel_us']:9.1f} "
+              f"{o['both_us']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Ratios measured in one run: candidates timed interleaved, with CUDA events, after a warm-up."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def interleaved_medians(
+    candidates: dict[str, Callable[[int], object]], iters: int = 20, warmup: int = 5
+) -> dict[str, float]:
+    """Median microseconds of each candidate; candidate(i) gets the iteration index so it can
+    rotate its inputs. Every iteration runs every candidate once, in turn, so clock drift and
+    thermal state hit them alike."""
+    for i in range(warmup):
+        for fn in candidates.values():
+            fn(i)
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for i in range(iters):
+        for name, fn in candidates.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -1,0 +1,29 @@
+"""CUDA kernels of megatron_tokenweave: the fused all-reduce + residual add + RMSNorm op over a
+CUDA-IPC symmetric buffer. Importing this package needs no GPU; using it does."""
+
+from megatron_tokenweave.kernels._ext import KernelUnavailableError, is_available, load_extension
+from megatron_tokenweave.kernels.fused import (
+    DEFAULT_CTAS,
+    MAX_CTAS,
+    MIN_CTAS,
+    REPLICATED_ALGO,
+    check_kernel_args,
+    fused_allreduce_rmsnorm,
+)
+from megatron_tokenweave.kernels.policy import multimem_refusal, select_backend
+from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+
+__all__ = [
+    "DEFAULT_CTAS",
+    "MAX_CTAS",
+    "MIN_CTAS",
+    "REPLICATED_ALGO",
+    "KernelUnavailableError",
+    "SymmetricBuffer",
+    "check_kernel_args",
+    "fused_allreduce_rmsnorm",
+    "is_available",
+    "load_extension",
+    "multimem_refusal",
+    "select_backend",
+]

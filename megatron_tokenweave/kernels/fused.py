@@ -1,0 +1,107 @@
+"""Python wrapper of the fused all-reduce + residual add + RMSNorm CUDA kernel."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_tokenweave.kernels._ext import load_extension
+from megatron_tokenweave.kernels.policy import MULTIMEM, select_backend
+from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+from megatron_tokenweave.ops.validate import (
+    KERNEL_DTYPES,
+    Layout,
+    TokenWeaveInputError,
+    check_fused_args,
+)
+
+MIN_CTAS, MAX_CTAS = 1, 128
+MAX_HIDDEN = 32768
+DEFAULT_CTAS = 16
+# Replicated layout: one-shot only (each rank pulls every row from every peer). At TP=2 it moves
+# the same total bytes as two-shot (reduce-scatter + all-gather), but all in one link direction
+# instead of half in each, and it needs one barrier pair instead of a second data phase; two-shot
+# would pay off above ~1K tokens at TP>=4. Not implemented yet: the sequence-parallel layout is the
+# fast path (it is a two-shot whose gather writes the normed rows straight to the peers).
+REPLICATED_ALGO = "one_shot"
+_mc_supported: dict[int, bool] = {}
+
+
+def _multicast_supported(device: torch.device) -> bool:
+    if device.index not in _mc_supported:
+        _mc_supported[device.index] = bool(
+            torch.ops.tokenweave.device_multicast_supported(device.index))
+    return _mc_supported[device.index]
+
+
+def check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
+                      buffer: SymmetricBuffer, ctas: int) -> None:
+    """Contract checks + kernel-specific ones; raise TokenWeaveInputError."""
+    check_fused_args(partial, residual, weight, residual_out, normed_out, layout, buffer.world)
+    if partial.dtype not in KERNEL_DTYPES:
+        raise TokenWeaveInputError(f"the CUDA kernel takes bf16 or fp16, got {partial.dtype}")
+    tensors = {"partial": partial, "residual": residual, "residual_out": residual_out}
+    if weight is not None:
+        tensors.update(weight=weight, normed_out=normed_out)
+    for name, t in tensors.items():
+        if t.device != buffer.device:
+            raise TokenWeaveInputError(
+                f"{name} is on {t.device}, the symmetric buffer on {buffer.device}")
+        if t.data_ptr() % 16:
+            raise TokenWeaveInputError(f"{name} is not 16-byte aligned")
+    if not isinstance(ctas, int) or not MIN_CTAS <= ctas <= MAX_CTAS:
+        raise TokenWeaveInputError(f"ctas must be an int in [{MIN_CTAS}, {MAX_CTAS}], got {ctas!r}")
+    if partial.shape[-1] > MAX_HIDDEN:
+        raise TokenWeaveInputError(f"hidden {partial.shape[-1]} > {MAX_HIDDEN}")
+    if not buffer.contains(partial):
+        raise TokenWeaveInputError(
+            f"partial (offset {buffer.offset_of(partial)}, "
+            f"{partial.numel() * partial.element_size()} bytes) is not inside the symmetric buffer "
+            f"({buffer.nbytes} bytes)")
+    if weight is not None and layout is Layout.SEQUENCE_PARALLEL:
+        if not buffer.contains(normed_out):
+            raise TokenWeaveInputError(
+                f"normed_out (offset {buffer.offset_of(normed_out)}) is not inside the symmetric "
+                f"buffer ({buffer.nbytes} bytes): sequence-parallel rows are stored to every peer")
+        if normed_out.shape[0] > 1 and (normed_out.stride(0) * normed_out.element_size()) % 16:
+            raise TokenWeaveInputError("normed_out chunk stride must be a multiple of 16 bytes")
+
+
+def fused_allreduce_rmsnorm(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual_out: torch.Tensor,
+    normed_out: torch.Tensor | None,
+    layout: Layout,
+    buffer: SymmetricBuffer,
+    *,
+    ctas: int = DEFAULT_CTAS,
+    backend: str = "auto",
+    validate: bool = True,
+) -> None:
+    """y = sum_p partial_p[chunk] + residual; residual_out = y; normed_out = RMSNorm(y) * weight.
+
+    Same contract as ops.reference.fused_allreduce_rmsnorm_reference (see ops/validate.py), on the
+    current CUDA stream, with no host sync and no allocation (CUDA-graph capturable). `partial`
+    (and, in the sequence-parallel layout, `normed_out`) must be views of `buffer.local`. Every rank
+    must call with the same shapes, layout and ctas, in the same order. backend: "auto" | "p2p" |
+    "multimem" (kernels.policy; multimem is opt-in and untested here).
+    """
+    load_extension()
+    if validate:
+        check_kernel_args(partial, residual, weight, residual_out, normed_out, layout, buffer,
+                          ctas)
+    chosen = select_backend(backend, os.environ,
+                            backend != "p2p" and buffer.multicast_base is not None
+                            and _multicast_supported(buffer.device),
+                            buffer.multicast_base)
+    args = (partial, residual, weight, float(eps), residual_out, normed_out,
+            layout is Layout.SEQUENCE_PARALLEL, buffer.bases, buffer.signal, buffer.rank,
+            buffer.world, buffer.local_base, buffer.nbytes, ctas, int(buffer.timeout_s * 1e9))
+    if chosen == MULTIMEM:
+        torch.ops.tokenweave.fused_allreduce_rmsnorm_multimem(*args, int(buffer.multicast_base))
+    else:
+        torch.ops.tokenweave.fused_allreduce_rmsnorm(*args)

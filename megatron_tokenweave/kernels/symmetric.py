@@ -1,0 +1,169 @@
+"""Symmetric buffer on plain CUDA IPC: one cudaMalloc per rank, mapped into every peer.
+
+Works where NCCL and torch symmetric memory refuse (two ranks sharing one GPU): handles are
+exchanged with all_gather_object over any process group (gloo or NCCL). Each rank's allocation is
+[signal pad (SIGNAL_BYTES) | data (nbytes)]; the kernels address a peer's copy of a tensor as
+peer_data_base[p] + (tensor.data_ptr() - local_data_base).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_tokenweave.kernels._ext import load_extension
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENWEAVE_KERNEL_TIMEOUT_S", "10"))
+_ALIGN = 256
+_ERRORS = {1: "start", 2: "end"}
+
+
+class SymmetricBuffer:
+    """`nbytes` of peer-mapped device memory per rank of `group`, plus the kernels' signal pad.
+
+    Attributes: rank, world, device, nbytes, local (uint8 CUDA tensor of the local data region:
+    carve typed views with `.local[a:b].view(dtype).view(shape)`), local_base (int address of
+    `local`), bases (CUDA int64 [2*world]: data bases, then signal-pad bases, in device memory),
+    signal (uint8 CUDA tensor of the local signal pad), timeout_s, multicast_base (None unless a
+    caller that may use multicast sets it; never created here).
+    Call ops on one buffer in the same order on every rank, one at a time (one stream or ordered
+    streams). `close()` is collective.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        nbytes: int,
+        device: torch.device | int | str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        load_extension()
+        ops = torch.ops.tokenweave
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if device is None:
+            idx = torch.cuda.current_device()
+        elif isinstance(device, int):
+            idx = device
+        else:
+            d = torch.device(device)
+            idx = d.index if d.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", idx)
+        dev = self.device.index
+        self.nbytes = (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.signal_bytes = int(ops.signal_pad_bytes())
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.multicast_base: int | None = None
+        self._closed = False
+        self._alloc = int(ops.ipc_malloc(self.signal_bytes + self.nbytes, dev))
+        self._opened: list[int] = []
+        try:
+            handle = bytes(ops.ipc_get_handle(self._alloc, dev).tolist())
+            handles: list[bytes | None] = [None] * self.world
+            dist.all_gather_object(handles, handle, group=group)
+            allocs = []
+            for p, h in enumerate(handles):
+                if p == self.rank:
+                    allocs.append(self._alloc)
+                else:
+                    ptr = int(ops.ipc_open_handle(torch.tensor(list(h), dtype=torch.uint8), dev))
+                    self._opened.append(ptr)
+                    allocs.append(ptr)
+        except Exception:
+            self._release()
+            raise
+        self.peer_allocs = allocs
+        data = [a + self.signal_bytes for a in allocs]
+        self.bases = torch.tensor(data + allocs, dtype=torch.int64, device=self.device)
+        self.local_base = self._alloc + self.signal_bytes
+        self.local = ops.tensor_from_ptr(self.local_base, self.nbytes, dev)
+        self.signal = ops.tensor_from_ptr(self._alloc, self.signal_bytes, dev)
+        dist.barrier(group=group)
+
+    # -- addressing ---------------------------------------------------------------------------
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Byte offset of t's first element from the local data base (may be out of range)."""
+        return t.data_ptr() - self.local_base
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """True if every element of t (with its strides) lies in the local data region."""
+        if t.device != self.device:
+            return False
+        if t.numel() == 0:
+            return 0 <= self.offset_of(t) <= self.nbytes
+        lo = hi = 0
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            span = (size - 1) * stride
+            lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+        start = self.offset_of(t) + lo * t.element_size()
+        end = self.offset_of(t) + (hi + 1) * t.element_size()
+        return start >= 0 and end <= self.nbytes
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """A typed view of the data region at byte `offset` (must fit)."""
+        n = 1
+        for s in shape:
+            n *= s
+        es = torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset % _ALIGN or offset + n * es > self.nbytes:
+            raise ValueError(f"view of {n * es} bytes at {offset} does not fit {self.nbytes} bytes")
+        return self.local[offset:offset + n * es].view(dtype).view(shape)
+
+    # -- errors -------------------------------------------------------------------------------
+    def error(self) -> tuple[int, int, int, int]:
+        """(code, peer, cta, epoch) recorded by a kernel that timed out; syncs the device."""
+        torch.cuda.synchronize(self.device)
+        words = self.signal.view(torch.int32)
+        # SignalPad: start[128][8], end[128][8], epoch[128], error[4] (uint32 words)
+        base = 128 * 8 * 2 + 128
+        code, peer, cta, epoch = (int(x) for x in words[base:base + 4].cpu().tolist())
+        return code, peer, cta, epoch
+
+    def check_error(self) -> None:
+        """Raise RuntimeError if a kernel on this rank gave up waiting for a peer. Syncs: for tests
+        and debugging, not for the hot path. After an error the buffer is unusable (kernels return
+        at once); create a new one."""
+        code, peer, cta, epoch = self.error()
+        if code:
+            raise RuntimeError(
+                f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
+                f"{_ERRORS.get(code, '?')} barrier (CTA {cta}, epoch {epoch}, timeout "
+                f"{self.timeout_s} s); the ranks' calls diverged or a peer died"
+            )
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def _release(self) -> None:
+        ops = torch.ops.tokenweave
+        dev = self.device.index
+        for ptr in self._opened:
+            ops.ipc_close_handle(ptr, dev)
+        self._opened = []
+        if self._alloc:
+            ops.ipc_free(self._alloc, dev)
+            self._alloc = 0
+
+    def close(self) -> None:
+        """Collective: wait until no rank uses the buffer, then unmap peers and free. Views of
+        `local` must not be used afterwards."""
+        if self._closed:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._release()
+        self._closed = True
+
+    def __enter__(self) -> SymmetricBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"SymmetricBuffer(rank={self.rank}, world={self.world}, device={self.device}, "
+                f"nbytes={self.nbytes})")

@@ -1,0 +1,114 @@
+"""Helpers for the multi-rank CPU tests: run inside ranks started by `launch.spawn` (gloo).
+
+Each test function spawns ONE 2-rank job that runs all of its cases and returns small picklable
+results (max errors, call records) to the parent, which asserts on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_tokenweave.launch import spawn
+
+WORLD = 2
+
+
+def run_ranks(fn, *args: Any) -> list[Any]:
+    """fn(rank, world, *args) on 2 gloo ranks; the per-rank return values."""
+    return spawn(fn, WORLD, *args)
+
+
+def setup_tp(world: int) -> None:
+    """Megatron's parallel state at TP=world (call once per spawned rank)."""
+    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+
+    initialize_model_parallel(world)
+
+
+@contextlib.contextmanager
+def record_fused_calls() -> Iterator[list[tuple[int, int]]]:
+    """Record (chunks, rows) of every fused op call the woven layer makes."""
+    import megatron_tokenweave.layer as layer_mod
+
+    calls: list[tuple[int, int]] = []
+    original = layer_mod.fused_allreduce_rmsnorm
+
+    def counting(workspace, partial, *args, **kwargs):
+        calls.append((int(partial.shape[0]), int(partial.shape[1])))
+        return original(workspace, partial, *args, **kwargs)
+
+    layer_mod.fused_allreduce_rmsnorm = counting
+    try:
+        yield calls
+    finally:
+        layer_mod.fused_allreduce_rmsnorm = original
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """Megatron's boolean causal mask (True = masked), built on the CPU."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+
+
+def build_model(spec_kind: str, shape, layers: int, world: int, tokenweave_config=None,
+                max_seq: int = 2048, **config_overrides: Any):
+    """A GPTModel with the stock local spec ("stock"), the tokenweave layer spec ("tokenweave")
+    or the tokenweave decoder block spec ("tokenweave_block"); in eval mode, on the CPU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+    from megatron_tokenweave.models import build_gpt, llama_config
+    from megatron_tokenweave.spec import (
+        get_gpt_decoder_block_tokenweave_spec,
+        get_gpt_layer_tokenweave_spec,
+    )
+
+    norm = config_overrides.get("normalization", "RMSNorm")
+    with cpu_device_scope():
+        config = llama_config(shape, layers, world, **config_overrides)
+        if spec_kind == "stock":
+            spec = get_gpt_layer_local_spec(normalization=norm)
+        elif spec_kind == "tokenweave":
+            spec = get_gpt_layer_tokenweave_spec(
+                False, tokenweave_config=tokenweave_config, normalization=norm
+            )
+        elif spec_kind == "tokenweave_block":
+            spec = get_gpt_decoder_block_tokenweave_spec(
+                config, False, tokenweave_config=tokenweave_config, normalization=norm
+            )
+        else:
+            raise ValueError(spec_kind)
+        return build_gpt(config, spec, shape.vocab, max_seq)
+
+
+def randomize_norms_(model: torch.nn.Module, seed: int) -> None:
+    """Random norm weights around 1 (they start as all ones), the same on every rank (norm weights
+    are replicated across TP ranks). The linears keep Megatron's random init, sharded by rank."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "layernorm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+
+
+def forward(model, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Logits of `tokens` [b, s] with positions 0..s-1 and an explicit causal mask."""
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    with cpu_device_scope(), torch.no_grad():
+        return model(tokens, positions, attention_mask=causal_mask(seq), **kwargs)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (inf when shapes differ or got has NaN)."""
+    if got.shape != want.shape:
+        return float("inf")
+    diff = (got.double() - want.double()).abs().max().item()
+    if diff != diff:
+        return float("inf")
+    return diff / max(want.double().abs().max().item(), 1e-30)

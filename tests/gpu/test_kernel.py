@@ -1,0 +1,272 @@
+"""GPU tests of the fused all-reduce + residual + RMSNorm kernel (skip cleanly without GPUs).
+
+* test_kernel_two_gpus: 2 ranks on 2 GPUs (NCCL), every case against ops/reference.py run over NCCL
+  on the same inputs, outputs poisoned with NaN; 10,000 consecutive calls; 1,000 CUDA-graph replays;
+  a peer that never arrives -> check_error raises.
+* test_kernel_protocol_one_gpu: 2 processes sharing one GPU (gloo + CUDA IPC): the inter-rank
+  protocol on a few cases against a locally computed expectation, and the timeout path.
+All cases of a test run inside one spawned job (one extension load, one process group).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+os.environ.update(NO_MULTICAST_ENV)
+
+TOKENS = (1, 3, 64, 127, 128, 1000, 1024, 4096, 8192)
+HIDDENS = (4096, 5120, 8192)
+EPS = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _kernels_or_skip():
+    if _gpus() == 0:
+        pytest.skip("no CUDA GPU")
+    from megatron_tokenweave import kernels
+
+    try:
+        kernels.load_extension()  # build once in the parent, before spawning
+    except kernels.KernelUnavailableError as exc:
+        pytest.skip(f"kernel extension unavailable: {exc}")
+    return kernels
+
+
+def _tol(dtype):
+    return (dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16
+            else dict(rtol=2e-3, atol=2e-3))
+
+
+def _rows(tokens: int, world: int, sp: bool) -> int:
+    """Rows per chunk of a case: small token counts are used as-is (n < P included)."""
+    return tokens if (not sp or tokens < 128) else tokens // world
+
+
+def _gen(seed: int, shape, dtype, device) -> torch.Tensor:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+
+def _init(rank: int, world: int, port: int, backend: str, device: int):
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", device)
+                            if backend == "nccl" else None)
+    return dist.group.WORLD
+
+
+def _case_tensors(buf, layout, n, hidden, dtype, world, rank, seed, weight_on, alias):
+    from megatron_tokenweave.ops.validate import Layout
+
+    dev = buf.device
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    chunks = world if sp else 1
+    es = torch.empty((), dtype=dtype).element_size()
+    part = buf.view(dtype, (chunks, n, hidden), 0)
+    part.copy_(_gen(seed * 16 + rank, (chunks, n, hidden), dtype, dev))
+    res_seed = seed * 16 + 8 + (rank if sp else 0)  # replicated: same residual on every rank
+    residual = _gen(res_seed, (n, hidden), dtype, dev)
+    weight = (1.0 + 0.1 * _gen(seed * 16 + 15, (hidden,), dtype, dev)).to(dtype) if weight_on \
+        else None
+    normed = None
+    if weight_on:
+        if sp:  # a strided [P, n, H] view of a [P, n + 5, H] region: arbitrary chunk stride
+            off = ((chunks * n * hidden * es + 255) // 256) * 256
+            normed = buf.view(dtype, (chunks, n + 5, hidden), off)[:, :n]
+        else:
+            normed = torch.empty(chunks, n, hidden, dtype=dtype, device=dev)
+        normed.fill_(float("nan"))
+    residual_out = residual.clone() if alias else torch.full_like(residual, float("nan"))
+    res_in = residual_out if alias else residual
+    return part, res_in, weight, residual_out, normed, residual
+
+
+def _worker_two_gpus(rank: int, world: int, port: int) -> None:
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
+    from megatron_tokenweave.ops.validate import Layout
+
+    group = _init(rank, world, port, "nccl", rank)
+    dev = torch.device("cuda", rank)
+    buf = kernels.SymmetricBuffer(group, 320 << 20, dev)
+    t0 = time.time()
+    ncase = 0
+    seed = 1
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
+            for hidden in HIDDENS:
+                for tokens in TOKENS:
+                    for weight_on in (True, False):
+                        seed += 1
+                        n = _rows(tokens, world, layout is Layout.SEQUENCE_PARALLEL)
+                        alias = seed % 2 == 0
+                        ctas = (2, 8, 16, 32)[seed % 4]
+                        part, res_in, w, res_out, normed, residual = _case_tensors(
+                            buf, layout, n, hidden, dtype, world, rank, seed, weight_on, alias)
+                        ref_res = torch.empty_like(residual)
+                        ref_normed = torch.empty(part.shape, dtype=dtype, device=dev) \
+                            if weight_on else None
+                        fused_allreduce_rmsnorm_reference(part.clone(), residual, w, EPS, ref_res,
+                                                          ref_normed, layout, group)
+                        kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed,
+                                                        layout, buf, ctas=ctas)
+                        what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
+                                f"n={n} weight={weight_on} alias={alias} ctas={ctas}")
+                        torch.testing.assert_close(res_out, ref_res, **_tol(dtype), msg=what)
+                        if weight_on:
+                            torch.testing.assert_close(normed, ref_normed, **_tol(dtype), msg=what)
+                        ncase += 1
+    buf.check_error()
+    t_cases = time.time() - t0
+
+    # 10,000 consecutive calls and 1,000 graph replays, partial rewritten before every call.
+    dtype, hidden, n, layout = torch.bfloat16, 8192, 256, Layout.SEQUENCE_PARALLEL
+    sets = []
+    for k in range(2):
+        part, res_in, w, res_out, normed, residual = _case_tensors(
+            buf, layout, n, hidden, dtype, world, rank, 1000 + k, True, False)
+        src = part.clone()
+        ref_res = torch.empty_like(residual)
+        ref_normed = torch.empty(part.shape, dtype=dtype, device=dev)
+        fused_allreduce_rmsnorm_reference(src, residual, w, EPS, ref_res, ref_normed, layout, group)
+        sets.append((src, residual, w, ref_res, ref_normed))
+    res_out = torch.empty(n, hidden, dtype=dtype, device=dev)
+    err = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def step(k):
+        src, residual, w, ref_res, ref_normed = sets[k]
+        part.copy_(src)
+        kernels.fused_allreduce_rmsnorm(part, residual, w, EPS, res_out, normed, layout, buf,
+                                        ctas=8, validate=False)
+        err.copy_(torch.maximum(err, (normed.float() - ref_normed.float()).abs().max()))
+        err.copy_(torch.maximum(err, (res_out.float() - ref_res.float()).abs().max()))
+
+    t1 = time.time()
+    for i in range(10000):
+        step(i % 2)
+    torch.cuda.synchronize()
+    t_loop = time.time() - t1
+    assert err.item() < 0.1 and err.isfinite().item(), f"rank {rank}: 10k-call max err {err}"
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(0)
+        step(1)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        step(0)
+        step(1)
+    err.zero_()
+    for _ in range(500):  # 2 ops per replay -> 1,000 op replays
+        graph.replay()
+    torch.cuda.synchronize()
+    assert err.item() < 0.1 and err.isfinite().item(), f"rank {rank}: graph max err {err}"
+    buf.check_error()
+    buf.close()
+    del graph
+
+    _timeout_check(group, rank, dev)
+    print(f"[rank {rank}] {ncase} cases in {t_cases:.1f}s, 10k calls in {t_loop:.1f}s, "
+          f"graph OK", flush=True)
+    dist.destroy_process_group()
+
+
+def _timeout_check(group, rank, dev) -> None:
+    """Rank 0 calls, rank 1 does not: rank 0's kernel gives up and check_error names rank 1."""
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.ops.validate import Layout
+
+    buf = kernels.SymmetricBuffer(group, 1 << 20, dev, timeout_s=0.2)
+    n, hidden, dtype = 4, 1024, torch.bfloat16
+    part = buf.view(dtype, (2, n, hidden), 0)
+    part.normal_()
+    residual = torch.randn(n, hidden, dtype=dtype, device=dev)
+    if rank == 0:
+        kernels.fused_allreduce_rmsnorm(part, residual, None, EPS, residual.clone(), None,
+                                        Layout.SEQUENCE_PARALLEL, buf, ctas=2)
+        with pytest.raises(RuntimeError, match="peer rank 1 never arrived"):
+            buf.check_error()
+    else:
+        buf.check_error()  # nothing recorded here
+    buf.close()
+
+
+def _worker_one_gpu(rank: int, world: int, port: int) -> None:
+    """Two processes on GPU 0 (gloo + CUDA IPC): protocol check against local expectations."""
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.ops.reference import rms_norm_fp32
+    from megatron_tokenweave.ops.validate import Layout
+
+    group = _init(rank, world, port, "gloo", 0)
+    dev = torch.device("cuda", 0)
+    buf = kernels.SymmetricBuffer(group, 64 << 20, dev)
+    seed = 500
+    for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
+        for tokens, hidden in ((1, 4096), (3, 5120), (127, 8192), (1000, 4096)):
+            for weight_on in (True, False):
+                seed += 1
+                sp = layout is Layout.SEQUENCE_PARALLEL
+                n = _rows(tokens, world, sp)
+                dtype = torch.bfloat16
+                part, res_in, w, res_out, normed, residual = _case_tensors(
+                    buf, layout, n, hidden, dtype, world, rank, seed, weight_on, False)
+                # Expected, from every rank's deterministic inputs.
+                chunks = world if sp else 1
+                parts = [_gen(seed * 16 + p, (chunks, n, hidden), dtype, dev).float()
+                         for p in range(world)]
+                mine = rank if sp else 0
+                y_all = [sum(pp[c] for pp in parts) for c in range(chunks)]
+                res_all = [_gen(seed * 16 + 8 + (c if sp else 0), (n, hidden), dtype, dev).float()
+                           for c in range(chunks)]
+                y = y_all[mine] + res_all[mine]
+                kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout,
+                                                buf, ctas=4)
+                what = f"1-GPU rank {rank} {layout.value} tokens={tokens} H={hidden} w={weight_on}"
+                torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
+                if weight_on:
+                    for c in range(chunks):
+                        exp = rms_norm_fp32(y_all[c] + res_all[c], w, EPS).to(dtype)
+                        torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
+    for _ in range(50):
+        kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout, buf, ctas=4)
+    buf.check_error()
+    buf.close()
+    _timeout_check(group, rank, dev)
+    print(f"[rank {rank}] one-GPU protocol OK", flush=True)
+    dist.destroy_process_group()
+
+
+def test_kernel_two_gpus():
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+    _kernels_or_skip()
+    mp.spawn(_worker_two_gpus, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def test_kernel_protocol_one_gpu():
+    _kernels_or_skip()
+    mp.spawn(_worker_one_gpu, args=(2, _free_port()), nprocs=2, join=True)

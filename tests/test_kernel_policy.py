@@ -1,0 +1,93 @@
+"""CPU tests of the host-side kernel policy: multimem is never chosen unless everything allows it,
+and the kernel package imports without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_tokenweave.kernels.policy import (
+    MULTIMEM,
+    OPT_IN_ENV,
+    P2P,
+    multicast_disabled_reason,
+    select_backend,
+)
+from megatron_tokenweave.ops.validate import TokenWeaveInputError
+
+KILL = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+MC = 0x7F0000000000
+
+
+def test_multimem_only_when_everything_allows():
+    assert select_backend("auto", {OPT_IN_ENV: "1"}, True, MC) == MULTIMEM
+    assert select_backend("multimem", {OPT_IN_ENV: "1"}, True, MC) == MULTIMEM
+
+
+@pytest.mark.parametrize("opt_in", [None, "0", "", "no"])
+def test_no_opt_in_means_p2p(opt_in):
+    env = {} if opt_in is None else {OPT_IN_ENV: opt_in}
+    assert select_backend("auto", env, True, MC) == P2P
+    with pytest.raises(TokenWeaveInputError, match="not opted in"):
+        select_backend("multimem", env, True, MC)
+
+
+@pytest.mark.parametrize("name,value", list(KILL.items()))
+def test_each_kill_switch_forbids_multimem(name, value):
+    env = {OPT_IN_ENV: "1", name: value}
+    assert multicast_disabled_reason(env) is not None
+    assert select_backend("auto", env, True, MC) == P2P
+    with pytest.raises(TokenWeaveInputError, match="multicast disabled"):
+        select_backend("multimem", env, True, MC)
+
+
+def test_no_device_support_or_no_address_means_p2p():
+    env = {OPT_IN_ENV: "1"}
+    assert select_backend("auto", env, False, MC) == P2P
+    assert select_backend("auto", env, True, None) == P2P
+    assert select_backend("auto", env, True, 0) == P2P
+    with pytest.raises(TokenWeaveInputError, match="multicast support"):
+        select_backend("multimem", env, False, MC)
+
+
+def test_exhaustive_never_multimem_unless_all_conditions():
+    opt_ins = [None, "1", "0"]
+    kills = [None, *KILL.items()]
+    for opt, kill, dev_ok, mc in itertools.product(opt_ins, kills, [False, True], [None, MC]):
+        env = {}
+        if opt is not None:
+            env[OPT_IN_ENV] = opt
+        if kill is not None:
+            env[kill[0]] = kill[1]
+        got = select_backend("auto", env, dev_ok, mc)
+        allowed = opt == "1" and kill is None and dev_ok and mc is not None
+        assert got == (MULTIMEM if allowed else P2P), (env, dev_ok, mc)
+        assert select_backend("p2p", env, dev_ok, mc) == P2P
+
+
+def test_this_machines_env_forbids_multimem(monkeypatch):
+    for k, v in KILL.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv(OPT_IN_ENV, "1")
+    import os
+
+    assert select_backend("auto", os.environ, True, MC) == P2P
+
+
+def test_bad_backend_name():
+    with pytest.raises(TokenWeaveInputError):
+        select_backend("nvls", {}, True, MC)
+
+
+def test_kernels_import_without_gpu():
+    import torch
+
+    from megatron_tokenweave import kernels
+
+    if not torch.cuda.is_available():
+        assert kernels.is_available() is False

@@ -1,0 +1,178 @@
+"""GPTModel with the TokenWeave spec vs the stock local spec on 2 gloo ranks (TP=2, fp32).
+
+Every case runs inside ONE spawned 2-rank job (module fixture); the tests below assert on what the
+ranks returned. Cases: token counts 1, 7, 64, 1000, 1024, 1031 x batch 1, 3 x sequence
+parallelism off/on x split forced (align 1) / split with align 128 and an offset / no split.
+The tokenweave model loads the stock model's state_dict with strict=True. With sequence
+parallelism it is built from `get_gpt_decoder_block_tokenweave_spec` and compared with the stock
+model WITHOUT sequence parallelism (same math; the stock local spec's final norm refuses SP).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import (
+    build_model,
+    forward,
+    randomize_norms_,
+    record_fused_calls,
+    rel_err,
+    run_ranks,
+    setup_tp,
+)
+
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.models import SHAPES
+
+TOKENS = (1, 7, 64, 1000, 1024, 1031)
+BATCHES = (1, 3)
+LAYERS = 3
+SHAPE = SHAPES["tiny"]  # hidden 64, 4 heads, 2 query groups (GQA)
+ALIGN, OFFSET = 128, 8
+SPLITS = {
+    "forced": TokenWeaveConfig(split_threshold=0, split_align=1),
+    "aligned": TokenWeaveConfig(split_threshold=0, split_align=ALIGN, split_offset=OFFSET),
+    "none": TokenWeaveConfig(split_threshold=10**9),
+}
+SP_REFUSAL = "First dimension of the tensor should be divisible by tensor parallel size"
+
+
+def _parity_worker(rank: int, world: int) -> dict:
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    setup_tp(world)
+    stock = build_model("stock", SHAPE, LAYERS, world)
+    randomize_norms_(stock, seed=11)
+    state = stock.state_dict()
+    models = {}
+    for sp in (False, True):
+        for split, tw_config in SPLITS.items():
+            kind = "tokenweave_block" if sp else "tokenweave"
+            model = build_model(kind, SHAPE, LAYERS, world, tw_config, sequence_parallel=sp)
+            model.load_state_dict(state, strict=True)
+            models[(sp, split)] = model
+    gen = torch.Generator().manual_seed(3)  # the same tokens on every rank
+    results: dict = {}
+    for seq in TOKENS:
+        for batch in BATCHES:
+            tokens = torch.randint(0, SHAPE.vocab, (batch, seq), generator=gen)
+            want = forward(stock, tokens)
+            for (sp, split), model in models.items():
+                case: dict = {}
+                if sp and seq % world:
+                    # What stock Megatron does with this shape under sequence parallelism.
+                    try:
+                        scatter_to_sequence_parallel_region(torch.randn(seq, batch, SHAPE.hidden))
+                        case["stock_raised"] = None
+                    except Exception as exc:  # noqa: BLE001 - reported to the parent
+                        case["stock_raised"] = (type(exc).__name__, str(exc))
+                    try:
+                        forward(model, tokens)
+                        case["raised"] = None
+                    except Exception as exc:  # noqa: BLE001 - reported to the parent
+                        case["raised"] = (type(exc).__name__, str(exc))
+                else:
+                    with record_fused_calls() as calls:
+                        got = forward(model, tokens)
+                    case["err"] = rel_err(got, want)
+                    case["finite"] = bool(torch.isfinite(got).all())
+                    case["calls"] = list(calls)
+                results[(seq, batch, sp, split)] = case
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_ranks(_parity_worker)
+
+
+def _cases(per_rank, runnable: bool):
+    for rank, results in enumerate(per_rank):
+        for (seq, batch, sp, split), case in sorted(results.items()):
+            if ("err" in case) == runnable:
+                yield rank, seq, batch, sp, split, case
+
+
+def test_every_case_was_run(per_rank):
+    want = {(s, b, sp, k) for s in TOKENS for b in BATCHES for sp in (False, True) for k in SPLITS}
+    for results in per_rank:
+        assert set(results) == want
+
+
+def test_logits_match_stock_fp32(per_rank):
+    """Logits equal the stock local-spec model's within rel 1e-5 (max abs diff / max abs)."""
+    bad = [
+        (rank, seq, batch, sp, split, case["err"])
+        for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True)
+        if not (case["finite"] and case["err"] <= 1e-5)
+    ]
+    assert not bad, f"cases over rel 1e-5 (rank, tokens, batch, sp, split, err): {bad}"
+
+
+def _expected_halves(seq: int, batch: int, sp: bool, split: str) -> tuple[int, int]:
+    """(rows per chunk, number of halves) the schedule must use for this case."""
+    rows = (seq // 2 if sp else seq) * batch
+    halves = 1 if split == "none" or rows < 2 else 2
+    return rows, halves
+
+
+def test_fused_path_ran_two_calls_per_layer_per_half(per_rank):
+    """The woven path ran: 2 fused calls per layer per half, halves covering every row."""
+    for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
+        rows, halves = _expected_halves(seq, batch, sp, split)
+        calls = case["calls"]
+        where = (rank, seq, batch, sp, split, calls[:8])
+        assert len(calls) == 2 * LAYERS * halves, where
+        assert all(chunks == (2 if sp else 1) for chunks, _ in calls), where
+        per_layer = [calls[i : i + 2 * halves] for i in range(0, len(calls), 2 * halves)]
+        for layer_calls in per_layer:
+            attn, mlp = layer_calls[:halves], layer_calls[halves:]
+            assert sum(r for _, r in attn) == rows, where
+            assert attn == mlp, where
+            assert all(r > 0 for _, r in attn), where
+
+
+def test_split_on_runs_two_halves(per_rank):
+    """With the split forced (threshold 0) every case with >= 2 rows a chunk has 2 halves."""
+    for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
+        rows, _ = _expected_halves(seq, batch, sp, split)
+        if split == "none" or rows < 2:
+            continue
+        halves = {r for _, r in case["calls"][:2]}
+        assert len(case["calls"]) == 4 * LAYERS, (rank, seq, batch, sp, split)
+        assert sum(r for _, r in case["calls"][:2]) == rows and len(halves) >= 1
+
+
+def test_aligned_split_uses_alignment_and_offset(per_rank):
+    """With split_align=128 and split_offset=8 the first half is a multiple of 128 plus 8 (the
+    largest not above half the rows), or the midpoint when that does not fit."""
+    for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
+        rows, halves = _expected_halves(seq, batch, sp, split)
+        if split != "aligned" or halves == 1:
+            continue
+        first = case["calls"][0][1]
+        aligned = (rows // 2) // ALIGN * ALIGN + OFFSET
+        if 0 < aligned < rows:
+            assert first == aligned and (first - OFFSET) % ALIGN == 0, (rank, seq, batch, sp)
+        else:
+            assert first == rows // 2, (rank, seq, batch, sp)
+
+
+def test_no_split_runs_one_half(per_rank):
+    """With a huge threshold there is one half: 2 fused calls per layer over all rows."""
+    for _, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
+        if split == "none":
+            rows, _ = _expected_halves(seq, batch, sp, split)
+            assert case["calls"] == [(2 if sp else 1, rows)] * (2 * LAYERS)
+
+
+def test_sequence_parallel_refuses_lengths_not_divisible_by_tp(per_rank):
+    """Sequence lengths 1, 7, 1031 with sequence parallelism at TP=2: stock Megatron refuses them
+    (its scatter to the sequence-parallel region raises AssertionError: the first dimension must
+    be divisible by the TP size), and the tokenweave model raises that same AssertionError."""
+    refused = list(_cases(per_rank, runnable=False))
+    assert {(seq, sp) for _, seq, _, sp, _, _ in refused} == {(1, True), (7, True), (1031, True)}
+    for rank, seq, batch, _sp, split, case in refused:
+        assert case["stock_raised"] == ("AssertionError", SP_REFUSAL), (rank, seq, batch)
+        assert case["raised"] == ("AssertionError", SP_REFUSAL), (rank, seq, batch, split, case)
