@@ -134,14 +134,16 @@ def test_fused_path_ran_two_calls_per_layer_per_half(per_rank):
 
 
 def test_split_on_runs_two_halves(per_rank):
-    """With the split forced (threshold 0) every case with >= 2 rows a chunk has 2 halves."""
+    """With the split forced (threshold 0, align 1) every case with >= 2 rows a chunk runs two
+    halves, split at the midpoint: [0, rows // 2) and [rows // 2, rows)."""
     for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
         rows, _ = _expected_halves(seq, batch, sp, split)
-        if split == "none" or rows < 2:
+        if split != "forced" or rows < 2:
             continue
-        halves = {r for _, r in case["calls"][:2]}
-        assert len(case["calls"]) == 4 * LAYERS, (rank, seq, batch, sp, split)
-        assert sum(r for _, r in case["calls"][:2]) == rows and len(halves) >= 1
+        chunks = 2 if sp else 1
+        first_layer = case["calls"][:4]
+        want = [(chunks, rows // 2), (chunks, rows - rows // 2)] * 2
+        assert first_layer == want, (rank, seq, batch, sp)
 
 
 def test_aligned_split_uses_alignment_and_offset(per_rank):
