@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_tokenweave.schedule import Half
@@ -23,6 +22,15 @@ from megatron_tokenweave.schedule import Half
 def _bias(module: torch.nn.Module) -> torch.Tensor | None:
     bias = getattr(module, "bias", None)
     return bias if isinstance(bias, torch.Tensor) and bias.numel() > 0 else None
+
+
+def _gemm_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out[C, r, D] = x[C, r, H] @ weight[D, H]^T without copies: the chunk stride of x and out
+    may exceed r rows (a half of every chunk), which a strided-batched GEMM takes as it is."""
+    if x.shape[0] == 1:
+        torch.matmul(x[0], weight.t(), out=out[0])
+    else:
+        torch.bmm(x, weight.t().expand(x.shape[0], -1, -1), out=out)
 
 
 @dataclass
@@ -48,16 +56,14 @@ class Weave:
         skip = bool(getattr(module, "skip_bias_add", False))
         x3 = x.reshape(self.chunks, -1, x.shape[-1])
         use_bias = None if skip else bias
-        if len(self.halves) == 1 and self.halves[0].rows == x3.shape[1]:
+        out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
+        for i, half in enumerate(self.halves):
             if self.before is not None:
-                self.before(0)
-            out = F.linear(x3, weight, use_bias)
-        else:
-            out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
-            for i, half in enumerate(self.halves):
-                if self.before is not None:
-                    self.before(i)
-                half.of(out).copy_(F.linear(half.of(x3), weight, use_bias))
+                self.before(i)
+            dst = half.of(out)
+            _gemm_into(half.of(x3), weight, dst)
+            if use_bias is not None:
+                dst.add_(use_bias)
         return out.view(*x.shape[:-1], weight.shape[0]), (bias if skip else None)
 
     def row(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -67,7 +73,7 @@ class Weave:
             if self.before is not None:
                 self.before(i)
             dst = self.partials[i]
-            torch.matmul(half.of(x3), weight.t(), out=dst)
+            _gemm_into(half.of(x3), weight, dst)
             if bias is not None and self.add_bias:
                 dst.add_(bias)
             if self.after is not None:

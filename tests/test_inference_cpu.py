@@ -33,25 +33,18 @@ SESSIONS = ((3, 13, True), (1, 33, False), (2, 9, True))
 
 
 def _step(model, context, tokens, start, mask):
-    from megatron.core.inference.utils import InferenceMode  # noqa: F401 - set by the caller
-
     from megatron_tokenweave.cpu_compat import cpu_device_scope
 
     batch, seq = tokens.shape
     positions = torch.arange(start, start + seq).unsqueeze(0).expand(batch, -1)
     with cpu_device_scope(), torch.no_grad():
-        return model(tokens, positions, attention_mask=mask, inference_context=context)
+        return model(tokens, positions, attention_mask=mask, inference_context=context,
+                     runtime_gather_output=True)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the whole vocabulary of vocab-sharded last-position logits [b, s, V/tp]."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards = [torch.empty_like(logits[:, -1]) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(shards, logits[:, -1].contiguous(), group=group)
-    return torch.cat(shards, dim=-1).argmax(dim=-1, keepdim=True)
+    """The next token of every sequence: argmax of the last position's (gathered) logits."""
+    return logits[:, -1].argmax(dim=-1, keepdim=True)
 
 
 def _inference_worker(rank: int, world: int) -> list[dict]:
@@ -107,6 +100,8 @@ def test_prefill_and_greedy_decode_match_stock(per_rank):
             assert session["cached"] == [list(range(1, LAYERS + 1))] * 2
             for i, step in enumerate(session["steps"]):
                 where = (rank, session["batch"], session["prompt"], i, step["err"])
+                assert step["shape"][0] == session["batch"], where
+                assert step["shape"][-1] == SHAPE.vocab, where  # gathered over TP
                 assert step["finite"] and step["err"] <= 1e-5, where
 
 
