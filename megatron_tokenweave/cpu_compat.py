@@ -30,9 +30,10 @@ def cpu_device_scope() -> Iterator[None]:
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int, seed: int = 1234) -> None:
-    """Megatron's parallel state and RNG trackers; the CPU-safe tracker where CUDA is absent."""
+    """Megatron's parallel state and its inference RNG tracker (no dropout-RNG forks: works on
+    CPU and inside CUDA-graph capture)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

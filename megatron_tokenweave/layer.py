@@ -216,7 +216,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         finally:
             mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
 
-        defer = next_norm is not None and cfg.defer_across_layers and not _capturing(x)
+        defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs(x)
         if not defer:
             for event in mlp_events:
                 side.wait(event)
@@ -224,6 +224,13 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         if next_norm is not None:
             self._chain.pending = Handoff(out, normed, halves, tuple(mlp_events))
         return out
+
+    def _layer_graphs(self, x: torch.Tensor) -> bool:
+        """Capturing a CUDA graph of this layer alone (Megatron's own cuda_graph_impl captures per
+        layer): side-stream work may not outlive the layer. A graph of a whole block or model,
+        captured by the caller, keeps the cross-layer deferral (its last layer joins)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        return capturing and getattr(self.config, "cuda_graph_impl", "none") != "none"
 
     @staticmethod
     def _input_events(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple | None:
@@ -267,5 +274,3 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs[k] for k in _ATTENTION_KEYS if k in kwargs}
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()

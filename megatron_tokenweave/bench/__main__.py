@@ -1,4 +1,4 @@
-"""Dispatch `python -m megatron_tokenweave.bench NAME ...` to megatron_tokenweave.bench.NAME.main."""
+"""`python -m megatron_tokenweave.bench NAME ...` runs megatron_tokenweave.bench.NAME.main."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decoder-block benchmark: stock Megatron spec vs the same with communication removed vs TokenWeave.
+"""Decoder-block benchmark: stock Megatron spec vs the same without communication vs TokenWeave.
 
     python -m megatron_tokenweave.bench block --out docs/results/block_tp2.json
 
@@ -9,6 +9,9 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
   <stock>_nocomm  the same with the row-parallel all-reduce made a no-op (the ceiling)
   tokenweave      the TokenWeave spec (replicated layout, like the stock spec)
   tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
+Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
+`eager` times plain Python forwards (launch overhead included). Without TE every spec gets the
+same SDPA (flash) core attention (bench/sdpa.py) instead of Megatron's unfused local attention.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ def _no_tp_comm() -> Iterator[None]:
     """Make the stock row-parallel linears skip their all-reduce / reduce-scatter."""
     from megatron.core.tensor_parallel import layers
 
-    names = ("reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region")
+    names = (
+        "reduce_from_tensor_model_parallel_region",
+        "reduce_scatter_to_sequence_parallel_region",
+    )
     saved = {name: getattr(layers, name) for name in names}
     for name in names:
         setattr(layers, name, lambda x, *a, **k: x)
@@ -53,6 +59,16 @@ def _no_tp_comm() -> Iterator[None]:
             setattr(module, name, fn)
 
 
+def graphed(fn):
+    """Capture fn(0) in a CUDA graph (after an eager warm-up); return a replaying callable."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(0)
+    return lambda i: graph.replay()
+
+
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -61,6 +77,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     )
     from megatron.core.transformer.transformer_block import TransformerBlock
 
+    from megatron_tokenweave.bench.sdpa import with_sdpa
     from megatron_tokenweave.bench.timing import interleaved_medians
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.cpu_compat import initialize_model_parallel
@@ -82,13 +99,14 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         common = dict(bf16=True, params_dtype=torch.bfloat16)
         cfg = llama_config(shape, args.layers, world, **common)
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
+        attn = (lambda spec: spec) if use_te else with_sdpa
         blocks = {
-            stock_name: TransformerBlock(cfg, stock_spec),
+            stock_name: TransformerBlock(cfg, attn(stock_spec)),
             "tokenweave": TransformerBlock(
-                cfg, get_gpt_decoder_block_tokenweave_spec(cfg, use_te, tw_cfg)
+                cfg, attn(get_gpt_decoder_block_tokenweave_spec(cfg, use_te, tw_cfg))
             ),
             "tokenweave_sp": TransformerBlock(
-                cfg_sp, get_gpt_decoder_block_tokenweave_spec(cfg_sp, use_te, tw_cfg)
+                cfg_sp, attn(get_gpt_decoder_block_tokenweave_spec(cfg_sp, use_te, tw_cfg))
             ),
         }
         state = blocks[stock_name].state_dict()
@@ -110,28 +128,36 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 shard = seq // world
                 inputs_sp = [x[rank * shard : (rank + 1) * shard].contiguous() for x in inputs]
 
-                def call(block, xs):
-                    return lambda i: block(hidden_states=xs[i % 3], attention_mask=None,
-                                           rotary_pos_emb=rpe)
+                def eager(block, xs, nocomm=False, rpe=rpe):
+                    def fn(i):
+                        with _no_tp_comm() if nocomm else contextlib.nullcontext():
+                            return block(hidden_states=xs[i % len(xs)], attention_mask=None,
+                                         rotary_pos_emb=rpe)
+                    return fn
 
-                def nocomm(i, fn=call(blocks[stock_name], inputs)):
-                    with _no_tp_comm():
-                        return fn(i)
-
-                candidates = {
-                    stock_name: call(blocks[stock_name], inputs),
-                    f"{stock_name}_nocomm": nocomm,
-                    "tokenweave": call(blocks["tokenweave"], inputs),
-                    "tokenweave_sp": call(blocks["tokenweave_sp"], inputs_sp),
+                builders = {
+                    stock_name: (blocks[stock_name], inputs, False),
+                    f"{stock_name}_nocomm": (blocks[stock_name], inputs, True),
+                    "tokenweave": (blocks["tokenweave"], inputs, False),
+                    "tokenweave_sp": (blocks["tokenweave_sp"], inputs_sp, False),
                 }
+                med = {}
                 with torch.no_grad():
-                    med = interleaved_medians(candidates, iters=args.iters, warmup=args.warmup)
-                for impl, us in med.items():
-                    rows.append(dict(model=model, impl=impl, tokens=tokens, batch=batch, tp=world,
-                                     us=round(us, 1)))
+                    if "eager" in args.modes:
+                        cands = {k: eager(*v) for k, v in builders.items()}
+                        res = interleaved_medians(cands, iters=args.iters, warmup=args.warmup)
+                        med.update({(k, "eager"): v for k, v in res.items()})
+                    if "graph" in args.modes:
+                        cands = {k: graphed(eager(*v)) for k, v in builders.items()}
+                        res = interleaved_medians(cands, iters=args.iters, warmup=args.warmup)
+                        med.update({(k, "graph"): v for k, v in res.items()})
+                        del cands
+                for (impl, mode), us in med.items():
+                    rows.append(dict(model=model, impl=impl, mode=mode, tokens=tokens,
+                                     batch=batch, tp=world, us=round(us, 1)))
                 if rank == 0:
-                    print(f"{model} T={tokens} b={batch}: "
-                          + "  ".join(f"{k}={v:.0f}us" for k, v in med.items()), flush=True)
+                    print(f"{model} T={tokens} b={batch}: " + "  ".join(
+                        f"{k}/{m}={v:.0f}us" for (k, m), v in med.items()), flush=True)
         del blocks
         torch.cuda.empty_cache()
     return rows
@@ -151,7 +177,8 @@ def _plot(result: dict, path: str) -> None:
     for i, model in enumerate(models):
         for j, batch in enumerate(batches):
             ax = axes[i][j]
-            sel = [r for r in result["rows"] if r["model"] == model and r["batch"] == batch]
+            sel = [r for r in result["rows"] if r["model"] == model and r["batch"] == batch
+                   and r.get("mode", "graph") == "graph"]
             base = {r["tokens"]: r["us"] for r in sel if r["impl"] == stock}
             for impl in sorted({r["impl"] for r in sel}):
                 pts = sorted((r["tokens"], base[r["tokens"]] / r["us"]) for r in sel
@@ -159,7 +186,7 @@ def _plot(result: dict, path: str) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
             ax.set_xscale("log", base=2)
             ax.axhline(1.0, color="gray", lw=0.8)
-            ax.set_title(f"{model}, batch {batch}, TP={sel[0]['tp']}")
+            ax.set_title(f"{model}, batch {batch}, TP={sel[0]['tp']}, CUDA graphs")
             ax.set_xlabel("tokens per forward")
             ax.set_ylabel(f"speed-up over {stock} (higher is better)")
             ax.legend()
@@ -178,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
+    parser.add_argument("--modes", nargs="+", default=["graph", "eager"],
+                        choices=["graph", "eager"],
+                        help="graph: CUDA-graph replays (GPU time); eager: Python launches too")
     parser.add_argument("--out", default="docs/results/block_tp2.json")
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < args.tp:

@@ -17,6 +17,7 @@ SHAPES = [(1, 1), (7, 3), (512, 1), (1024, 1), (1031, 1), (2048, 2)]
 
 
 def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
+    """(stock bf16, tokenweave bf16, stock fp32 with the same weights: the yardstick)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_tokenweave.config import TokenWeaveConfig
@@ -34,7 +35,11 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
     tw = build_gpt(cfg, spec, 1024, 4096)
     stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
     tw.load_state_dict(stock.state_dict(), strict=True)
-    return stock, tw
+    golden = build_gpt(llama_config(shape, layers, world), get_gpt_layer_local_spec(
+        normalization="RMSNorm"), 1024, 4096).cuda()
+    golden.load_state_dict({k: v.float() if v.is_floating_point() else v
+                            for k, v in stock.state_dict().items()}, strict=True)
+    return stock, tw, golden
 
 
 def _parity(rank: int, world: int) -> list[tuple]:
@@ -54,30 +59,38 @@ def _parity(rank: int, world: int) -> list[tuple]:
     for sp in (False, True):
         for backend in ("kernel", "reference"):
             for split in ({"split_threshold": 0}, {}):
-                stock, tw = _build(world, sp, {"backend": backend, **split})
+                stock, tw, golden = _build(world, sp, {"backend": backend, **split})
                 for seq, batch in SHAPES:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
                     gen = torch.Generator().manual_seed(seq * 10 + batch)
                     tokens = torch.randint(0, 1024, (batch, seq), generator=gen).cuda()
                     pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(batch, -1)
-                    calls.clear()
                     with torch.no_grad():
+                        gold = golden(tokens, pos, attention_mask=None).float()
                         ref = stock(tokens, pos, attention_mask=None).float()
+                        calls.clear()
                         out = tw(tokens, pos, attention_mask=None).float()
-                    rel = ((out - ref).norm() / ref.norm()).item()
-                    results.append((sp, backend, bool(split), seq, batch, rel, len(calls)))
-                del stock, tw
+                    err_stock = ((ref - gold).norm() / gold.norm()).item()
+                    err_tw = ((out - gold).norm() / gold.norm()).item()
+                    results.append(
+                        (sp, backend, bool(split), seq, batch, err_stock, err_tw, len(calls))
+                    )
+                del stock, tw, golden
     return results
 
 
 def test_logits_match_stock_spec_bf16():
+    """Within bf16 rounding: the tokenweave model's error against an fp32 run of the same weights
+    is no larger than the stock bf16 model's own (plus a small slack)."""
     results = spawn(_parity, 2)[0]
     assert results
-    for sp, backend, split, seq, batch, rel, calls in results:
+    for sp, backend, split, seq, batch, err_stock, err_tw, calls in results:
         case = f"sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
-        assert rel < 1e-2, f"{case}: relative error {rel:.3e}"
+        assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
         assert calls >= 4, f"{case}: the fused op ran {calls} times"
+    worst_stock, worst_tw = max(r[5] for r in results), max(r[6] for r in results)
+    print(f"max error vs fp32: stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
 
 
 def _graph(rank: int, world: int) -> list[float]:
