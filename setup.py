@@ -7,35 +7,46 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
 
 def cuda_extension() -> tuple[list, dict]:
+    """The CUDA extension where it can be built; otherwise say why on stderr (pure Python)."""
     if os.environ.get("TOKENWEAVE_NO_CUDA_EXT") == "1":
-        return [], {}
+        return _skip("TOKENWEAVE_NO_CUDA_EXT=1")
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-    except ImportError:
-        return [], {}
+    except ImportError as exc:
+        return _skip(f"torch is not importable in the build environment ({exc}); "
+                     "use pip install --no-build-isolation")
     if torch.version.cuda is None or CUDA_HOME is None:
-        return [], {}
-    sources = sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.cpp"))
+        return _skip(f"torch {torch.__version__} has no CUDA or no CUDA toolkit was found")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = sorted(glob.glob(os.path.join(here, "csrc", "*.cu")))
+    sources += sorted(glob.glob(os.path.join(here, "csrc", "*.cpp")))
     if not sources:
-        return [], {}
+        return _skip(f"no sources under {os.path.join(here, 'csrc')}")
     archs = os.environ.get("TOKENWEAVE_CUDA_ARCHS", "90").replace(",", ";").split(";")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
     ext = CUDAExtension(
         name="megatron_tokenweave._C",
-        sources=sources,
-        include_dirs=[os.path.abspath("csrc/include")],
+        sources=[os.path.relpath(p, here) for p in sources],
+        include_dirs=[os.path.join(here, "csrc", "include")],
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17"],
             "nvcc": ["-O3", "-std=c++17", "--use_fast_math", *gencode],
         },
     )
+    print(f"megatron-tokenweave: building the CUDA extension for sm_{archs}", file=sys.stderr)
     return [ext], {"build_ext": BuildExtension}
+
+
+def _skip(reason: str) -> tuple[list, dict]:
+    print(f"megatron-tokenweave: no CUDA extension ({reason})", file=sys.stderr)
+    return [], {}
 
 
 ext_modules, cmdclass = cuda_extension()

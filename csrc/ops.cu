@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <optional>
 
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
@@ -122,10 +124,68 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
   return p;
 }
 
+// Stages of the bulk-copy pipeline for this shape, or 0 to use the register path: fewer than 2
+// stages of `world` rows fit in kStageSmemBytes, or TOKENWEAVE_NO_BULK=1 (read at every launch;
+// for benchmarks and debugging).
+int bulk_stages(int world, int64_t hidden, int64_t elem_bytes) {
+  const char* off = std::getenv("TOKENWEAVE_NO_BULK");
+  if (off != nullptr && off[0] == '1') return 0;
+  const int64_t stage = world * hidden * elem_bytes;
+  const int64_t n = kStageSmemBytes / stage;
+  return n < 2 ? 0 : static_cast<int>(n < kMaxStages ? n : kMaxStages);
+}
+
+// cudaFuncSetAttribute once per kernel instantiation and device (before the first launch; not a
+// stream operation, so also fine before a CUDA-graph capture that reuses the kernel).
+template <typename Kernel>
+void allow_stage_smem(Kernel kernel) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "tokenweave: cudaGetDevice failed");
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  const cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStageSmemBytes);
+  TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaFuncSetAttribute failed: ",
+              cudaGetErrorString(err));
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+
+template <typename T, int NP, int VPT>
+void launch_bulk(const FusedParams& p, int grid, int threads, int stages, cudaStream_t stream) {
+  auto kernel = fused_allreduce_rmsnorm_bulk_kernel<T, NP, VPT>;
+  allow_stage_smem(kernel);
+  const size_t smem = static_cast<size_t>(stages) * p.world * p.hidden * sizeof(T);
+  kernel<<<grid, threads, smem, stream>>>(p, stages);
+}
+
 template <typename T>
 void launch_p2p(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
   const int np = np_bucket(p.world);
+  const int stages = bulk_stages(p.world, p.hidden, sizeof(T));
+  if (stages > 0) {
+    const int grid = static_cast<int>(p.rows < ctas ? p.rows : ctas);
+#define TW_BULK(NP, VPT) launch_bulk<T, NP, VPT>(p, grid, s.threads, stages, stream)
+#define TW_BVPT(NP)                  \
+  switch (s.vpt) {                   \
+    case 1: TW_BULK(NP, 1); break;   \
+    case 2: TW_BULK(NP, 2); break;   \
+    case 4: TW_BULK(NP, 4); break;   \
+    default: TW_BULK(NP, 8); break;  \
+  }
+    switch (np) {
+      case 2: TW_BVPT(2); break;
+      case 4: TW_BVPT(4); break;
+      default: TW_BVPT(8); break;
+    }
+#undef TW_BVPT
+#undef TW_BULK
+    const cudaError_t err = cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ",
+                cudaGetErrorString(err));
+    return;
+  }
   const int rows_it = rows_per_iter(np, s.vpt);
   const int64_t need = (p.rows + rows_it - 1) / rows_it;
   const int grid = static_cast<int>(need < ctas ? need : ctas);

@@ -22,7 +22,10 @@ class TokenWeaveConfig:
     split_align: the first half's rows per chunk are rounded down to a multiple of this
         (GEMM waves).
     split_offset: rows added to the first half after rounding (wave-aware tuning); may be negative.
-    comm_ctas_attn / comm_ctas_mlp: CTAs of the fused kernel after attention / after the MLP.
+    comm_ctas_attn / comm_ctas_mlp: CTAs of the fused kernel beside the other half's GEMMs,
+        after attention / after the MLP.
+    comm_ctas_alone: CTAs of the fused kernel when the tokens are not split (nothing runs beside
+        it, so it may take many SMs).
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
     backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
         (the kernel where every TP rank is on this node with peer access, else reference).
@@ -34,6 +37,7 @@ class TokenWeaveConfig:
     split_offset: int = 0
     comm_ctas_attn: int = 16
     comm_ctas_mlp: int = 16
+    comm_ctas_alone: int = 64
     max_tokens: int = 16384
     backend: Backend = "auto"
     defer_across_layers: bool = True
@@ -43,7 +47,7 @@ class TokenWeaveConfig:
             raise ValueError(f"split_threshold must be >= 0, got {self.split_threshold}")
         if self.split_align < 1:
             raise ValueError(f"split_align must be >= 1, got {self.split_align}")
-        for name in ("comm_ctas_attn", "comm_ctas_mlp"):
+        for name in ("comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone"):
             value = getattr(self, name)
             if not 1 <= value <= 1024:
                 raise ValueError(f"{name} must be in [1, 1024], got {value}")

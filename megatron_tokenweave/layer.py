@@ -159,17 +159,18 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             input_events = (None,) * len(halves)
 
         def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, events: list) -> None:
+            """Half i's fused op: main stream when unsplit, else the side stream (+ an event)."""
             half = halves[i]
             rows = slice(half.offset, half.offset + half.rows)
             weight, eps = norm if norm is not None else (None, 0.0)
-            call = (ws, partials[i], src[rows], weight, eps, residual[rows])
-            tail = (half.of(normed) if weight is not None else None, layout, ctas)
+            normed_out = half.of(normed) if weight is not None else None
+            args = (ws, partials[i], src[rows], weight, eps, residual[rows], normed_out, layout)
             if not split:
-                fused_allreduce_rmsnorm(*call, *tail)
+                fused_allreduce_rmsnorm(*args, cfg.comm_ctas_alone)
                 events.append(None)
                 return
             with side.run():
-                fused_allreduce_rmsnorm(*call, *tail)
+                fused_allreduce_rmsnorm(*args, ctas)
             events.append(side.record())
 
         # Attention: qkv per half as its input arrives, attention whole, proj per half + fused op.

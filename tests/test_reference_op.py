@@ -5,8 +5,8 @@ Cases: Layout.SEQUENCE_PARALLEL (partial [P, n, H]) and Layout.REPLICATED ([1, n
 weight and without (add only); residual_out separate (poisoned with NaN) or aliasing residual;
 normed_out a strided view (chunk stride (n + GAP) * H) into a NaN-filled buffer, so unwritten rows
 and writes into the gaps both show; n in {0, 1, 3, 127, 128}; H in {8, 64, 136}; fp32/bf16/fp16.
-The reference accumulates in fp32 and rounds once, so results are within 1 ulp of the dtype of
-the exact value. Every case also runs through `ops.fused.fused_allreduce_rmsnorm` with a
+The reference accumulates in fp32 and rounds once, so results are within half an ulp of the dtype
+of the exact value. Every case also runs through `ops.fused.fused_allreduce_rmsnorm` with a
 `Workspace(backend="reference")`, whose results must be bit-identical.
 All cases run in ONE spawned job; the tests assert on what the ranks returned.
 """
@@ -27,8 +27,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYOUTS = (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED)
 EPS = 1e-5
 GAP = 5
-# |got - exact| <= ATOL + RTOL * |exact|: one ulp of the dtype, plus fp32 accumulation error.
-RTOL = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+# |got - exact| <= ATOL + RTOL * |exact|: half an ulp of the dtype (one rounding of an fp32 result;
+# a second rounding would show as errors up to one ulp) plus fp32 accumulation error.
+RTOL = {torch.float32: 1e-6, torch.bfloat16: 1.05 * 2.0**-8, torch.float16: 1.05 * 2.0**-11}
 ATOL = 1e-5
 
 CASES = list(itertools.product(LAYOUTS, (True, False), NS, HS, DTYPES))
@@ -74,7 +75,7 @@ def _reference_worker(rank: int, world: int) -> dict:
             world, layout, with_weight, n, hidden, dtype, seed=index
         )
         chunks = partials.shape[1]
-        want_y = y[rank] if layout is Layout.SEQUENCE_PARALLEL else y[rank]
+        want_y = y[rank]
         if normed is not None:
             want_normed = normed if layout is Layout.SEQUENCE_PARALLEL else normed[rank][None]
         case = {}
@@ -134,9 +135,9 @@ def test_every_case_ran(per_rank):
 
 
 @pytest.mark.parametrize("alias", [False, True], ids=["separate_out", "aliased_out"])
-def test_residual_out_matches_float64_within_one_ulp(per_rank, alias):
+def test_residual_out_matches_float64_within_half_ulp(per_rank, alias):
     """residual_out = sum over ranks of partial + this rank's residual (its chunk's rows under
-    sequence parallelism), within one ulp of the exact value, aliased or not."""
+    sequence parallelism), within half an ulp of the exact value, aliased or not."""
     bad = [
         (rank, key, results[key][alias]["residual"])
         for rank, results in enumerate(per_rank)
@@ -147,8 +148,8 @@ def test_residual_out_matches_float64_within_one_ulp(per_rank, alias):
 
 
 @pytest.mark.parametrize("alias", [False, True], ids=["separate_out", "aliased_out"])
-def test_normed_out_matches_float64_within_one_ulp(per_rank, alias):
-    """normed_out = RMSNorm(y) * weight of every chunk on every rank, within one ulp."""
+def test_normed_out_matches_float64_within_half_ulp(per_rank, alias):
+    """normed_out = RMSNorm(y) * weight of every chunk on every rank, within half an ulp."""
     bad = [
         (rank, key, results[key][alias]["normed"])
         for rank, results in enumerate(per_rank)

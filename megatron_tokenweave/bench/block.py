@@ -7,8 +7,9 @@ with the same weights and times them interleaved (CUDA events, medians). `tokens
 token count of one forward (batch sequences of tokens/batch each). Implementations:
   <stock>         Megatron's TE spec (`te`) when TE imports, else its local spec (`local`)
   <stock>_nocomm  the same with the row-parallel all-reduce made a no-op (the ceiling)
-  tokenweave      the TokenWeave spec (replicated layout, like the stock spec)
+  tokenweave      the TokenWeave spec (replicated layout, like the stock spec), default config
   tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
+  tokenweave_sp_split / _nosplit  the same, always / never split (to place the threshold)
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
 `eager` times plain Python forwards (launch overhead included). Without TE every spec gets the
 same SDPA (flash) core attention (bench/sdpa.py) instead of Megatron's unfused local attention.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import sys
@@ -59,6 +61,15 @@ def _no_tp_comm() -> Iterator[None]:
             setattr(module, name, fn)
 
 
+# name: (sequence parallel, TokenWeaveConfig overrides)
+VARIANTS = {
+    "tokenweave": (False, {}),
+    "tokenweave_sp": (True, {}),
+    "tokenweave_sp_split": (True, {"split_threshold": 0}),
+    "tokenweave_sp_nosplit": (True, {"split_threshold": 1 << 30}),
+}
+
+
 def graphed(fn):
     """Capture fn(0) in a CUDA graph (after an eager warm-up); return a replaying callable."""
     fn(0)
@@ -91,8 +102,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         if use_te
         else get_gpt_layer_local_spec(normalization="RMSNorm")
     )
-    max_tokens = max(args.tokens)
-    tw_cfg = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=max_tokens))
+    base_cfg = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=max(args.tokens)))
     rows: list[dict] = []
     for model in args.models:
         shape = SHAPES[model]
@@ -100,15 +110,12 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         cfg = llama_config(shape, args.layers, world, **common)
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
         attn = (lambda spec: spec) if use_te else with_sdpa
-        blocks = {
-            stock_name: TransformerBlock(cfg, attn(stock_spec)),
-            "tokenweave": TransformerBlock(
-                cfg, attn(get_gpt_decoder_block_tokenweave_spec(cfg, use_te, tw_cfg))
-            ),
-            "tokenweave_sp": TransformerBlock(
-                cfg_sp, attn(get_gpt_decoder_block_tokenweave_spec(cfg_sp, use_te, tw_cfg))
-            ),
-        }
+        blocks = {stock_name: TransformerBlock(cfg, attn(stock_spec))}
+        for name, (sp, overrides) in VARIANTS.items():
+            block_cfg = cfg_sp if sp else cfg
+            tw_cfg = dataclasses.replace(base_cfg, **overrides)
+            spec = get_gpt_decoder_block_tokenweave_spec(block_cfg, use_te, tw_cfg)
+            blocks[name] = TransformerBlock(block_cfg, attn(spec))
         state = blocks[stock_name].state_dict()
         for name, block in blocks.items():
             block.cuda().to(torch.bfloat16).eval()
@@ -119,7 +126,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             for batch in args.batch:
                 seq = tokens // batch
                 rpe = rope(seq)
-                gen = torch.Generator(device="cuda").manual_seed(rank)
+                gen = torch.Generator(device="cuda").manual_seed(1234)  # same on every rank
                 inputs = [
                     torch.randn(seq, batch, shape.hidden, device="cuda", dtype=torch.bfloat16,
                                 generator=gen)
@@ -138,8 +145,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 builders = {
                     stock_name: (blocks[stock_name], inputs, False),
                     f"{stock_name}_nocomm": (blocks[stock_name], inputs, True),
-                    "tokenweave": (blocks["tokenweave"], inputs, False),
-                    "tokenweave_sp": (blocks["tokenweave_sp"], inputs_sp, False),
+                    **{name: (blocks[name], inputs_sp if sp else inputs, False)
+                       for name, (sp, _) in VARIANTS.items()},
                 }
                 med = {}
                 with torch.no_grad():

@@ -2,6 +2,10 @@
 norm vs the tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM.
 
     python -m megatron_tokenweave.bench kernel --out docs/results/kernel_tp2.json
+
+Rows: tokenweave (bulk-copy path where it applies), tokenweave_regs (register path forced with
+TOKENWEAVE_NO_BULK=1, at --regs-ctas), tokenweave_graph (--graph-ctas, CUDA-graph replay of 10
+calls / 10: device time without host overhead).
     (or python -m megatron_tokenweave.bench.kernel ...)
 
 Spawns 2 processes (NCCL, one GPU each). CUDA events, median of >= 25 timings after a warm-up,
@@ -31,6 +35,7 @@ NO_MULTICAST_ENV = {
 NVLINK_BOUND_GBPS = 381.0
 EPS = 1e-5
 L2_BYTES = 60 << 20
+GRAPH_CALLS = 10
 
 
 def _time(fn, iters: int, warmup: int = 5, stream=None) -> float:
@@ -126,6 +131,25 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                                                 validate=False)
 
             add_row("tokenweave", T, ctas, _time(tw, args.iters))
+            if ctas in args.regs_ctas:  # the register path (no bulk copies), for comparison
+                os.environ["TOKENWEAVE_NO_BULK"] = "1"
+                try:
+                    add_row("tokenweave_regs", T, ctas, _time(tw, args.iters))
+                finally:
+                    os.environ.pop("TOKENWEAVE_NO_BULK", None)
+            if ctas == args.graph_ctas:  # device time without the host's per-call overhead
+                g = torch.cuda.CUDAGraph()
+                side_g = torch.cuda.Stream()
+                side_g.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side_g):
+                    tw(0)
+                torch.cuda.current_stream().wait_stream(side_g)
+                with torch.cuda.graph(g):
+                    for j in range(GRAPH_CALLS):
+                        tw(j)
+                add_row("tokenweave_graph", T, ctas,
+                        _time(lambda i, g=g: g.replay(), args.iters) / GRAPH_CALLS)
+                del g
 
         # Overlap: the kernel on T/2 tokens on a high-priority side stream beside the GEMM
         # [T/2, H] x [H, 28672] on the main stream.
@@ -179,7 +203,7 @@ def plot(result: dict, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     impls = {}
     for r in result["rows"]:
-        key = r["impl"] if r["impl"] != "tokenweave" else f"tokenweave {r['ctas']} CTAs"
+        key = r["impl"] if not r["ctas"] else f"{r['impl']} {r['ctas']} CTAs"
         impls.setdefault(key, []).append((r["tokens"], r["us"]))
     for key, pts in impls.items():
         pts.sort()
@@ -217,6 +241,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hidden", type=int, default=8192)
     ap.add_argument("--gemm-n", type=int, default=28672)
     ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--regs-ctas", type=int, nargs="*", default=[16, 64],
+                    help="CTA counts also timed on the register path (TOKENWEAVE_NO_BULK=1)")
+    ap.add_argument("--graph-ctas", type=int, default=16,
+                    help="CTA count also timed as CUDA-graph replays of 10 calls")
+    ap.add_argument("--record-out", default=None,
+                    help="--out value to record in the JSON's command (default: --out)")
     ap.add_argument("--buffer-mb", type=int, default=768)
     args = ap.parse_args(argv)
     os.environ.update(NO_MULTICAST_ENV)
@@ -233,8 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     mp.spawn(_worker, args=(2, port, args, queue), nprocs=2, join=True)
     got = queue.get()
     result = dict(gpu=got["gpu"], date=datetime.date.today().isoformat(),
-                  command="python -m megatron_tokenweave.bench kernel " + " ".join(argv or
-                                                                                   sys.argv[1:]),
+                  command=_command(argv if argv is not None else sys.argv[1:], args),
                   nvlink_bound_GBps=NVLINK_BOUND_GBPS, rows=got["rows"], overlap=got["overlap"])
     if got["symm_reason"]:
         result["symm_two_shot_note"] = got["symm_reason"]
@@ -246,16 +275,37 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _col(r: dict) -> str:
+    short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph"}
+    return f"{short[r['impl']]}{r['ctas']}" if r["impl"] in short else r["impl"]
+
+
+def _command(argv: list[str], args) -> str:
+    """The command line to record: --out replaced by --record-out, --record-out dropped."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--record-out", "--out"):
+            skip = True
+            continue
+        if a.startswith(("--record-out=", "--out=")):
+            continue
+        out.append(a)
+    out += ["--out", args.record_out or args.out]
+    return "python -m megatron_tokenweave.bench kernel " + " ".join(out)
+
+
 def _print_table(result: dict) -> None:
     H = result["rows"][0]["hidden"]
     toks = sorted({r["tokens"] for r in result["rows"]})
     cols = []
     for r in result["rows"]:
-        c = r["impl"] if r["impl"] != "tokenweave" else f"tw{r['ctas']}"
+        c = _col(r)
         if c not in cols:
             cols.append(c)
-    table = {(r["tokens"], r["impl"] if r["impl"] != "tokenweave" else f"tw{r['ctas']}"): r["us"]
-             for r in result["rows"]}
+    table = {(r["tokens"], _col(r)): r["us"] for r in result["rows"]}
     print("tokens  bound " + " ".join(f"{c:>12}" for c in cols))
     for t in toks:
         bound = t * H * 2 / (NVLINK_BOUND_GBPS * 1e3)

@@ -131,10 +131,16 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                             if weight_on else None
                         fused_allreduce_rmsnorm_reference(part.clone(), residual, w, EPS, ref_res,
                                                           ref_normed, layout, group)
+                        # Every third case on the register path (TOKENWEAVE_NO_BULK=1), the
+                        # others on the bulk-copy pipeline.
+                        regs = seed % 3 == 0
+                        os.environ["TOKENWEAVE_NO_BULK"] = "1" if regs else "0"
                         kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed,
                                                         layout, buf, ctas=ctas)
+                        os.environ.pop("TOKENWEAVE_NO_BULK")
                         what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
-                                f"n={n} weight={weight_on} alias={alias} ctas={ctas}")
+                                f"n={n} weight={weight_on} alias={alias} ctas={ctas} "
+                                f"regs={regs}")
                         torch.testing.assert_close(res_out, ref_res, **_tol(dtype), msg=what)
                         if weight_on:
                             torch.testing.assert_close(normed, ref_normed, **_tol(dtype), msg=what)

@@ -37,8 +37,10 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
     tw.load_state_dict(stock.state_dict(), strict=True)
     golden = build_gpt(llama_config(shape, layers, world), get_gpt_layer_local_spec(
         normalization="RMSNorm"), 1024, 4096).cuda()
-    golden.load_state_dict({k: v.float() if v.is_floating_point() else v
-                            for k, v in stock.state_dict().items()}, strict=True)
+    golden.load_state_dict({
+        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in stock.state_dict().items()
+    }, strict=True)
     return stock, tw, golden
 
 

@@ -1,15 +1,29 @@
 // Fused all-reduce + residual add + RMSNorm over peer-mapped (CUDA IPC) symmetric buffers.
 //
-// Data path of one CTA iteration (kRows rows at once, so that many bytes are in flight):
-//   every thread loads kVpt 16-byte vectors of each of kRows rows from each of the P peers' partial
-//   (all loads issued before the first use), reduces them in fp32 in rank order, adds the residual,
-//   accumulates the row's sum of squares in registers, block-reduces it (warp shuffles + one smem
-//   exchange), normalizes, multiplies by w (fp32), rounds once to T and stores the row to all P
-//   peers' normed_out (sequence parallel) or locally (replicated). residual_out gets y rounded to T.
-// Rows are split between CTAs by index (row0 = (iter * G + b) * kRows), identically on every rank;
-// signal.cuh's per-CTA barriers rely on that.
+// Two data paths, same math and same inter-rank protocol (signal.cuh):
+//
+// 1. Bulk-copy pipeline (fused_allreduce_rmsnorm_bulk_kernel, the default whenever S >= 2 stages
+//    of P rows fit in shared memory, see bulk_stages() in ops.cu): one row per CTA iteration.
+//    Thread 0 keeps S stages in flight: stage s holds the P partial rows (one per rank, peers'
+//    read over NVLink) of a future row, fetched with cp.async.bulk (no registers used) and
+//    completed on mbarrier full[s]. Every thread waits for full[s], sums its kVpt 16-byte vectors
+//    of the P rows in fp32 in rank order, adds the residual (loaded into registers before the
+//    wait), stores residual_out, block-reduces the sum of squares; the __syncthreads of that
+//    reduction also proves that every thread is done reading stage s, so thread 0 refills it with
+//    the row S iterations ahead before the CTA normalizes and stores the current one. With P=2,
+//    H=8192 that is 6 stages x 32 KB = 192 KB in flight per CTA (the register path had ~32 KB).
+// 2. Register path (fused_allreduce_rmsnorm_kernel, fallback when fewer than 2 stages fit, e.g.
+//    P=8 and H=8192, or TOKENWEAVE_NO_BULK=1): kRows rows per iteration; every thread loads kVpt
+//    16-byte vectors of each of kRows rows from each of the P peers' partial (all loads issued
+//    before the first use) into registers.
+// Both: normalize, multiply by w (fp32), round once to T, store the row to all P peers'
+// normed_out (sequence parallel; remote stores are posted writes) or locally (replicated).
+// residual_out gets y rounded to T. Rows are split between CTAs by index, identically on every
+// rank (bulk: rows b, b+G, b+2G...; registers: row0 = (iter * G + b) * kRows); signal.cuh's
+// per-CTA barriers rely on that.
 #pragma once
 
+#include "tokenweave/bulk_copy.cuh"
 #include "tokenweave/common.cuh"
 #include "tokenweave/signal.cuh"
 
@@ -162,6 +176,153 @@ __global__ void __launch_bounds__(kMaxThreads)
           } else {
             *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
           }
+        }
+      }
+    }
+  }
+
+  cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
+}
+
+// Stages of the bulk path: at most kMaxStages, within kStageSmemBytes of dynamic shared memory.
+constexpr int kMaxStages = 8;
+constexpr int kStageSmemBytes = 192 * 1024;
+
+template <typename T, int kNp, int kVpt>
+__global__ void __launch_bounds__(kMaxThreads)
+    fused_allreduce_rmsnorm_bulk_kernel(const FusedParams p, const int stages) {
+  extern __shared__ __align__(128) unsigned char s_stage[];
+  __shared__ __align__(8) uint64_t s_full[kMaxStages];
+  __shared__ float s_red[2][kMaxThreads / 32];
+  __shared__ uint32_t s_epoch;
+  __shared__ int s_fail;
+
+  const int b = blockIdx.x;
+  const int G = gridDim.x;
+  const int tid = threadIdx.x;
+  const int world = p.world;
+  const int64_t* pad_bases = p.bases + p.world;
+  char* data[kNp];
+#pragma unroll
+  for (int q = 0; q < kNp; ++q) data[q] = q < world ? reinterpret_cast<char*>(p.bases[q]) : nullptr;
+
+  if (tid == 0) {
+    s_fail = 0;
+    s_epoch = next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
+    for (int s = 0; s < stages; ++s) mbar_init(&s_full[s], 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const uint32_t e = s_epoch;
+  if (e == 0) return;  // an earlier launch timed out: do nothing until the host reads the error
+
+  const int hv = p.hidden / kVecElems;  // vectors per row
+  const bool norm = p.weight != nullptr;
+  Vec16 w[kVpt];
+#pragma unroll
+  for (int v = 0; v < kVpt; ++v) {
+    const int col = tid + v * blockDim.x;
+    if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
+  }
+
+  if (!cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) return;
+
+  const int chunk = p.sequence_parallel ? p.rank : 0;
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const uint32_t stage_bytes = static_cast<uint32_t>(world * row_bytes);
+  const int64_t src_off = p.partial_off + chunk * p.partial_cstride;
+  const int nwarps = blockDim.x / 32;
+  const float inv_h = 1.0f / static_cast<float>(p.hidden);
+
+  // Thread 0: fetch the P partial rows of `row` into stage s (peers' over NVLink).
+  auto issue = [&](int s, int row) {
+    unsigned char* dst = s_stage + static_cast<int64_t>(s) * stage_bytes;
+    mbar_arrive_expect_tx(&s_full[s], stage_bytes);
+    const int64_t off = src_off + row * row_bytes;
+    for (int q = 0; q < world; ++q)
+      bulk_load(dst + q * row_bytes, reinterpret_cast<const char*>(p.bases[q]) + off,
+                static_cast<uint32_t>(row_bytes), &s_full[s]);  // thread 0 only: not unrolled
+  };
+  if (tid == 0) {
+    fence_proxy_async_global();  // peers' rows, published before START, are now bulk-read
+    for (int i = 0; i < stages; ++i) {
+      const int row = b + i * G;
+      if (row >= p.rows) break;
+      issue(i, row);
+    }
+  }
+
+  int s = 0;
+  uint32_t phase = 0;
+  int parity = 0;
+  for (int row = b; row < p.rows; row += G, parity ^= 1) {
+    Vec16 res[kVpt];
+#pragma unroll
+    for (int v = 0; v < kVpt; ++v) {
+      const int col = tid + v * blockDim.x;
+      if (col < hv)
+        res[v] = reinterpret_cast<const Vec16*>(static_cast<const char*>(p.residual) +
+                                                row * row_bytes)[col];
+    }
+    mbar_wait(&s_full[s], phase);
+    const unsigned char* st = s_stage + static_cast<int64_t>(s) * stage_bytes;
+    float y[kVpt][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVpt; ++v) {
+      const int col = tid + v * blockDim.x;
+      if (col < hv) {
+        set_vec<T>(y[v], reinterpret_cast<const Vec16*>(st)[col]);
+#pragma unroll
+        for (int q = 1; q < kNp; ++q)
+          if (q < world)
+            add_vec<T>(y[v], reinterpret_cast<const Vec16*>(st + q * row_bytes)[col]);
+        add_vec<T>(y[v], res[v]);
+        reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
+            pack_vec<T>(y[v]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss += y[v][k] * y[v][k];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((tid & 31) == 0) s_red[parity][tid >> 5] = ss;
+    // After this sync every thread is done reading stage s (and s_red[parity] is complete;
+    // it is rewritten two iterations later, after another sync).
+    __syncthreads();
+    if (tid == 0) {
+      const int next = row + stages * G;
+      if (next < p.rows) {
+        fence_proxy_async_shared();  // the threads' reads of stage s before the copy's writes
+        issue(s, next);
+      }
+    }
+    if (++s == stages) {
+      s = 0;
+      phase ^= 1;
+    }
+    if (!norm) continue;
+    float t = 0.f;
+    for (int k = 0; k < nwarps; ++k) t += s_red[parity][k];
+    const float rs = rsqrtf(t * inv_h + p.eps);
+#pragma unroll
+    for (int v = 0; v < kVpt; ++v) {
+      const int col = tid + v * blockDim.x;
+      if (col < hv) {
+        float wf[8];
+        set_vec<T>(wf, w[v]);
+        float o[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[k] = y[v][k] * rs * wf[k];
+        const Vec16 out = pack_vec<T>(o);
+        const int64_t roff = row * row_bytes + col * kVecBytes;
+        if (p.sequence_parallel) {
+          const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
+#pragma unroll
+          for (int q = 0; q < kNp; ++q)
+            if (q < world) *reinterpret_cast<Vec16*>(data[q] + dst) = out;
+        } else {
+          *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
         }
       }
     }

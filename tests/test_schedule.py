@@ -1,0 +1,163 @@
+"""The woven schedule's building blocks: plan_halves, Half, SideStream on CPU, WeaveChain."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+import torch
+
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.schedule import Half, Handoff, SideStream, WeaveChain, plan_halves
+
+ROWS = tuple(range(0, 70)) + (127, 128, 129, 255, 256, 257, 511, 512, 1000, 1031, 4097)
+CHUNKS = (1, 2, 4, 8)
+CONFIGS = (
+    TokenWeaveConfig(split_threshold=0, split_align=1),
+    TokenWeaveConfig(split_threshold=0, split_align=128),
+    TokenWeaveConfig(split_threshold=0, split_align=128, split_offset=8),
+    TokenWeaveConfig(split_threshold=0, split_align=64, split_offset=-8),
+    TokenWeaveConfig(split_threshold=100, split_align=16, split_offset=3),
+    TokenWeaveConfig(),
+    TokenWeaveConfig(split_threshold=10**9),
+)
+
+
+def _all_cases():
+    return itertools.product(CONFIGS, CHUNKS, ROWS)
+
+
+def _should_split(cfg: TokenWeaveConfig, chunks: int, n: int) -> bool:
+    return n >= 2 and chunks * n >= max(cfg.split_threshold, 2)
+
+
+def test_no_split_below_threshold():
+    """Fewer than split_threshold rows in all chunks together: one half covering every row."""
+    for cfg, chunks, n in _all_cases():
+        if chunks * n < cfg.split_threshold:
+            assert plan_halves(n, chunks, cfg) == (Half(0, n),), (cfg, chunks, n)
+
+
+def test_fewer_than_two_rows_a_chunk_never_split():
+    """n < 2 rows a chunk is never split, even with the threshold at 0."""
+    for cfg, chunks in itertools.product(CONFIGS, CHUNKS):
+        for n in (0, 1):
+            assert plan_halves(n, chunks, cfg) == (Half(0, n),), (cfg, chunks, n)
+
+
+def test_split_at_or_above_threshold_gives_two_halves():
+    for cfg, chunks, n in _all_cases():
+        assert len(plan_halves(n, chunks, cfg)) == (2 if _should_split(cfg, chunks, n) else 1)
+
+
+def test_halves_cover_every_row_exactly_once():
+    """The halves are non-empty, in order, and together cover [0, n) with no overlap or gap."""
+    for cfg, chunks, n in _all_cases():
+        halves = plan_halves(n, chunks, cfg)
+        covered = [row for half in halves for row in range(half.offset, half.offset + half.rows)]
+        assert covered == list(range(n)), (cfg, chunks, n, halves)
+        if len(halves) == 2:
+            assert all(h.rows > 0 for h in halves), (cfg, chunks, n, halves)
+
+
+def test_first_half_aligned_plus_offset_when_it_fits():
+    """The first half is the largest multiple of split_align not above n // 2, plus split_offset,
+    whenever that leaves both halves non-empty."""
+    for cfg, chunks, n in _all_cases():
+        halves = plan_halves(n, chunks, cfg)
+        if len(halves) != 2:
+            continue
+        base = halves[0].rows - cfg.split_offset
+        aligned = (n // 2) // cfg.split_align * cfg.split_align
+        if 0 < aligned + cfg.split_offset < n:
+            assert base % cfg.split_align == 0 and base <= n // 2 < base + cfg.split_align, (
+                cfg, chunks, n, halves)
+
+
+def test_first_half_falls_back_to_midpoint():
+    """When the aligned size plus offset is empty or the whole chunk, the split is at n // 2."""
+    fallbacks = 0
+    for cfg, chunks, n in _all_cases():
+        halves = plan_halves(n, chunks, cfg)
+        aligned = (n // 2) // cfg.split_align * cfg.split_align + cfg.split_offset
+        if len(halves) == 2 and not 0 < aligned < n:
+            fallbacks += 1
+            assert halves == (Half(0, n // 2), Half(n // 2, n - n // 2)), (cfg, chunks, n)
+    assert fallbacks > 0  # the cases above do exercise the fallback
+
+
+@pytest.mark.parametrize("chunks, n, offset, rows", [(1, 5, 0, 5), (2, 7, 2, 3), (4, 9, 8, 1)])
+def test_half_of_is_a_view_of_its_rows(chunks, n, offset, rows):
+    t = torch.randn(chunks, n, 8)
+    view = Half(offset, rows).of(t)
+    assert view.shape == (chunks, rows, 8)
+    assert torch.equal(view, t[:, offset : offset + rows])
+    view.fill_(float("nan"))
+    assert torch.isnan(t[:, offset : offset + rows]).all()
+    assert not torch.isnan(t[:, :offset]).any() and not torch.isnan(t[:, offset + rows :]).any()
+
+
+def test_side_stream_on_cpu_is_a_no_op():
+    """On CPU the side stream is disabled: run() executes its body inline, record() gives None,
+    wait(None) and join() do nothing."""
+    side = SideStream(torch.device("cpu"))
+    assert side.enabled is False
+    x = torch.randn(4, 8)
+    with side.run():
+        y = x * 2
+    assert torch.equal(y, x * 2)
+    assert side.record() is None
+    SideStream.wait(None)
+    side.join()
+
+
+def _handoff(residual: torch.Tensor) -> Handoff:
+    return Handoff(residual, torch.randn(1, *residual.shape), (Half(0, residual.shape[0]),), (None,))
+
+
+def test_weave_chain_claim_returns_handoff_for_the_same_tensor():
+    chain = WeaveChain()
+    x = torch.randn(5, 2, 8)
+    pending = chain.pending = _handoff(x)
+    assert chain.claim(x) is pending
+    assert chain.pending is None  # claimed once
+    assert chain.claim(x) is None
+
+
+@pytest.mark.parametrize("other", ["clone", "view", "slice_all", "different"])
+def test_weave_chain_claim_is_by_identity_not_value(other):
+    """Only the very tensor the predecessor returned claims the hand-off; an equal clone, a view
+    of it or any other tensor settles the pending work and gets None."""
+    chain = WeaveChain()
+    x = torch.randn(5, 2, 8)
+    chain.pending = _handoff(x)
+    candidate = {
+        "clone": lambda: x.clone(),
+        "view": lambda: x.view(5, 2, 8),
+        "slice_all": lambda: x[:],
+        "different": lambda: torch.randn(5, 2, 8),
+    }[other]()
+    assert chain.claim(candidate) is None
+    assert chain.pending is None
+
+
+def test_weave_chain_claim_without_pending_returns_none():
+    assert WeaveChain().claim(torch.randn(3, 1, 8)) is None
+
+
+def test_weave_chain_successor_links_and_weakrefs():
+    chain = WeaveChain()
+    a, b, c = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    chain.link(a, b)
+    chain.link(b, c)
+    assert chain.successor(a) is b and chain.successor(b) is c and chain.successor(c) is None
+    del c
+    gc.collect()
+    assert chain.successor(b) is None  # a weak reference: the chain keeps no layer alive
+
+
+def test_weave_chain_side_stream_is_shared():
+    chain = WeaveChain()
+    side = chain.side_stream(torch.device("cpu"))
+    assert chain.side_stream(torch.device("cpu")) is side

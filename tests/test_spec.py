@@ -1,0 +1,174 @@
+"""The TokenWeave specs: substitutions, checkpoint keys, module-level spec attributes, the
+WeaveChain of a block, and loading TE-style norm keys. In-process, TP=1 (1-rank gloo group)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _dist import build_model
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+import megatron_tokenweave
+from megatron_tokenweave import spec as spec_mod
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.layer import TokenWeaveTransformerLayer
+from megatron_tokenweave.linears import WovenColumnParallelLinear, WovenRowParallelLinear
+from megatron_tokenweave.models import SHAPES
+from megatron_tokenweave.norm import TokenWeaveNorm
+from megatron_tokenweave.spec import (
+    NORM_KEYS_MAP,
+    get_gpt_decoder_block_tokenweave_spec,
+    get_gpt_layer_tokenweave_spec,
+)
+
+SHAPE = SHAPES["tiny"]
+
+
+def _stock():
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def test_layer_spec_substitutes_layer_norms_and_linears():
+    spec = get_gpt_layer_tokenweave_spec(False, normalization="RMSNorm")
+    sub = spec.submodules
+    assert spec.module is TokenWeaveTransformerLayer
+    assert sub.input_layernorm is TokenWeaveNorm and sub.pre_mlp_layernorm is TokenWeaveNorm
+    attn = sub.self_attention.submodules
+    assert attn.linear_qkv is WovenColumnParallelLinear
+    assert attn.linear_proj is WovenRowParallelLinear
+    assert isinstance(sub.mlp, functools.partial)
+    mlp = sub.mlp.keywords["submodules"]
+    assert mlp.linear_fc1 is WovenColumnParallelLinear
+    assert mlp.linear_fc2 is WovenRowParallelLinear
+
+
+def test_layer_spec_keeps_everything_else_stock():
+    """Attention core, q/k norms, bias-dropout-adds, cross-attention, activation and the MLP
+    builder are exactly what the stock local spec has."""
+    ours, stock = get_gpt_layer_tokenweave_spec(False, normalization="RMSNorm").submodules, _stock()
+    stock = stock.submodules
+    for name in ("self_attn_bda", "mlp_bda", "cross_attention", "cross_attn_bda",
+                 "pre_cross_attn_layernorm"):
+        assert getattr(ours, name) is getattr(stock, name), name
+    assert ours.self_attention.module is stock.self_attention.module
+    assert ours.self_attention.params == stock.self_attention.params
+    for name in ("core_attention", "q_layernorm", "k_layernorm"):
+        assert getattr(ours.self_attention.submodules, name) is getattr(
+            stock.self_attention.submodules, name), name
+    assert ours.mlp.func == stock.mlp.func
+    ours_mlp, stock_mlp = ours.mlp.keywords["submodules"], stock.mlp.keywords["submodules"]
+    assert ours_mlp.activation_func is stock_mlp.activation_func
+
+
+def test_layer_spec_keeps_stock_sharded_state_dict_keys_map():
+    ours = get_gpt_layer_tokenweave_spec(False, normalization="RMSNorm")
+    keys_map = ours.submodules.sharded_state_dict_keys_map
+    for key, value in _stock().submodules.sharded_state_dict_keys_map.items():
+        assert keys_map[key] == value
+    for key, value in NORM_KEYS_MAP.items():
+        assert keys_map[key] == value
+
+
+def test_layer_spec_passes_tokenweave_config():
+    cfg = TokenWeaveConfig(split_threshold=3)
+    assert get_gpt_layer_tokenweave_spec(False, cfg).params["tokenweave_config"] is cfg
+
+
+def test_module_level_specs_resolve_to_local_on_cpu():
+    """`tokenweave_spec` and `tokenweave_local_spec` resolve, from the spec module and the
+    package; without TransformerEngine `tokenweave_spec` is the local flavour."""
+    assert not spec_mod.te_available()
+    for name in ("tokenweave_spec", "tokenweave_local_spec"):
+        for owner in (spec_mod, megatron_tokenweave):
+            resolved = getattr(owner, name)
+            assert resolved.module is TokenWeaveTransformerLayer, (owner, name)
+            linear = resolved.submodules.self_attention.submodules.linear_qkv
+            assert linear is WovenColumnParallelLinear, (owner, name)
+            assert resolved.submodules.input_layernorm is TokenWeaveNorm
+
+
+def test_te_spec_without_transformer_engine_raises_import_error():
+    with pytest.raises(ImportError, match="TransformerEngine"):
+        get_gpt_layer_tokenweave_spec(True)
+
+
+@pytest.mark.parametrize("owner", [spec_mod, megatron_tokenweave], ids=["spec", "package"])
+def test_unknown_attribute_raises_attribute_error(owner):
+    with pytest.raises(AttributeError, match="tokenweave_nope"):
+        owner.tokenweave_nope  # noqa: B018
+
+
+def _shape(value):
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+
+
+def test_state_dict_keys_equal_stock(single_rank_group):
+    """A 2-layer tokenweave GPTModel has exactly the stock local GPTModel's state_dict keys and
+    shapes, and the stock state_dict loads into it with strict=True."""
+    stock = build_model("stock", SHAPE, 2, 1)
+    woven = build_model("tokenweave", SHAPE, 2, 1)
+    stock_sd, woven_sd = stock.state_dict(), woven.state_dict()
+    assert list(woven_sd) == list(stock_sd)
+    assert {k: _shape(v) for k, v in woven_sd.items()} == {
+        k: _shape(v) for k, v in stock_sd.items()}
+    woven.load_state_dict(stock_sd, strict=True)
+
+
+def test_built_model_uses_tokenweave_modules(single_rank_group):
+    woven = build_model("tokenweave", SHAPE, 2, 1)
+    for layer in woven.decoder.layers:
+        assert type(layer) is TokenWeaveTransformerLayer and isinstance(layer, TransformerLayer)
+        assert type(layer.input_layernorm) is torch.nn.RMSNorm
+        assert type(layer.pre_mlp_layernorm) is torch.nn.RMSNorm
+        assert type(layer.self_attention.linear_qkv) is WovenColumnParallelLinear
+        assert type(layer.self_attention.linear_proj) is WovenRowParallelLinear
+        assert type(layer.mlp.linear_fc1) is WovenColumnParallelLinear
+        assert type(layer.mlp.linear_fc2) is WovenRowParallelLinear
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_layers_of_one_block_share_one_chain(single_rank_group, num_layers):
+    """All layers of a block are in one WeaveChain; layer i's successor is layer i + 1 and the
+    last has none. A second model gets its own chain."""
+    model = build_model("tokenweave", SHAPE, num_layers, 1)
+    layers = list(model.decoder.layers)
+    chain = layers[0]._chain
+    assert all(layer._chain is chain for layer in layers)
+    for layer, nxt in zip(layers, layers[1:]):
+        assert chain.successor(layer) is nxt
+    assert chain.successor(layers[-1]) is None
+    other = build_model("tokenweave", SHAPE, num_layers, 1)
+    assert other.decoder.layers[0]._chain is not chain
+
+
+def test_block_spec_chains_layers_and_has_final_norm(single_rank_group):
+    from megatron_tokenweave.models import llama_config
+
+    config = llama_config(SHAPE, 3, 1)
+    block = get_gpt_decoder_block_tokenweave_spec(config, False)
+    assert len(block.layer_specs) == 3
+    assert all(s.module is TokenWeaveTransformerLayer for s in block.layer_specs)
+    assert block.layer_norm is TokenWeaveNorm
+    model = build_model("tokenweave_block", SHAPE, 3, 1)
+    layers = list(model.decoder.layers)
+    assert [layers[0]._chain.successor(x) for x in layers] == [layers[1], layers[2], None]
+    assert type(model.decoder.final_layernorm) is torch.nn.RMSNorm
+
+
+def test_te_style_norm_keys_load_into_tokenweave_layer(single_rank_group):
+    """TE-spec keys self_attention.linear_qkv.layer_norm_weight / mlp.linear_fc1.layer_norm_weight
+    load into input_layernorm.weight / pre_mlp_layernorm.weight (strict)."""
+    layer = build_model("tokenweave", SHAPE, 1, 1).decoder.layers[0]
+    sd = layer.state_dict()
+    gen = torch.Generator().manual_seed(2)
+    qkv_norm = 1.0 + torch.randn(SHAPE.hidden, generator=gen)
+    fc1_norm = 1.0 + torch.randn(SHAPE.hidden, generator=gen)
+    del sd["input_layernorm.weight"], sd["pre_mlp_layernorm.weight"]
+    sd["self_attention.linear_qkv.layer_norm_weight"] = qkv_norm
+    sd["mlp.linear_fc1.layer_norm_weight"] = fc1_norm
+    layer.load_state_dict(sd, strict=True)
+    assert torch.equal(layer.input_layernorm.weight.detach(), qkv_norm)
+    assert torch.equal(layer.pre_mlp_layernorm.weight.detach(), fc1_norm)
