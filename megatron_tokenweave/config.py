@@ -30,6 +30,9 @@ class TokenWeaveConfig:
     backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
         (the kernel where every TP rank is on this node with peer access, else reference).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
+    tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
+        TP size, hidden size and dtype, from the cache or the shipped ones, overrides the split
+        and CTA fields per token count), "none" (use the fields above), or a table's path.
     """
 
     split_threshold: int = 1024
@@ -41,6 +44,7 @@ class TokenWeaveConfig:
     max_tokens: int = 16384
     backend: Backend = "auto"
     defer_across_layers: bool = True
+    tuning_table: str = "auto"
 
     def __post_init__(self) -> None:
         if self.split_threshold < 0:

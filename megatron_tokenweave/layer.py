@@ -31,6 +31,7 @@ from megatron_tokenweave.log import log_once
 from megatron_tokenweave.norm import norm_weight_eps
 from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
+from megatron_tokenweave.policy import TableKey, get_policy
 from megatron_tokenweave.schedule import Half, Handoff, SideStream, WeaveChain, plan_halves
 from megatron_tokenweave.workspace import get_workspace
 
@@ -138,7 +139,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         chunks, n = (world if sp else 1), s_local * batch
         ws = get_workspace(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
         ws.check_capacity(chunks * n)
-        halves = plan_halves(n, chunks, cfg)
+        plan = get_policy(cfg, TableKey.of(x.device, world, hidden, x.dtype)).plan(chunks * n)
+        halves = plan_halves(n, chunks, cfg, plan.split)
         side = self._chain.side_stream(x.device)
         split = len(halves) > 1
 
@@ -166,7 +168,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             normed_out = half.of(normed) if weight is not None else None
             args = (ws, partials[i], src[rows], weight, eps, residual[rows], normed_out, layout)
             if not split:
-                fused_allreduce_rmsnorm(*args, cfg.comm_ctas_alone)
+                fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone)
                 events.append(None)
                 return
             with side.run():
@@ -185,7 +187,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             halves,
             partials=partials,
             add_bias=rank == 0,
-            after=lambda i: launch(i, residual_in, pre_mlp, cfg.comm_ctas_attn, attn_events),
+            after=lambda i: launch(i, residual_in, pre_mlp, plan.comm_ctas_attn, attn_events),
         )
         try:
             attention(
@@ -210,7 +212,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                     partials=(partials[i],),
                     add_bias=rank == 0,
                     after=lambda _, i=i: launch(
-                        i, residual, next_norm, cfg.comm_ctas_mlp, mlp_events
+                        i, residual, next_norm, plan.comm_ctas_mlp, mlp_events
                     ),
                 )
                 mlp(half.of(normed))

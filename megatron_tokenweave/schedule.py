@@ -26,10 +26,15 @@ class Half:
         return t[:, self.offset : self.offset + self.rows]
 
 
-def plan_halves(rows_per_chunk: int, chunks: int, cfg: TokenWeaveConfig) -> tuple[Half, ...]:
-    """One half (no split) below the threshold, else two, the first aligned for GEMM waves."""
+def plan_halves(
+    rows_per_chunk: int, chunks: int, cfg: TokenWeaveConfig, split: bool | None = None
+) -> tuple[Half, ...]:
+    """One half (no split) below the threshold (or when `split` is False), else two, the first
+    aligned for GEMM waves. A chunk of fewer than 2 rows is never split."""
     n = rows_per_chunk
-    if n < 2 or chunks * n < max(cfg.split_threshold, 2):
+    if split is None:
+        split = chunks * n >= cfg.split_threshold
+    if n < 2 or not split:
         return (Half(0, n),)
     first = (n // 2) // cfg.split_align * cfg.split_align + cfg.split_offset
     if not 0 < first < n:

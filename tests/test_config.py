@@ -67,7 +67,8 @@ def test_from_env_without_variables_returns_base():
 )
 def test_from_env_parses_each_type(monkeypatch, field, raw, want):
     """TOKENWEAVE_<FIELD> overrides that field (int, str and bool parsing), nothing else."""
-    base = TokenWeaveConfig(defer_across_layers=not want if field == "defer_across_layers" else True)
+    defer = not want if field == "defer_across_layers" else True
+    base = TokenWeaveConfig(defer_across_layers=defer)
     monkeypatch.setenv(ENV_PREFIX + field.upper(), raw)
     cfg = TokenWeaveConfig.from_env(base)
     assert getattr(cfg, field) == want

@@ -35,6 +35,8 @@ SPLITS = {
     "aligned": TokenWeaveConfig(split_threshold=0, split_align=ALIGN, split_offset=OFFSET),
     "none": TokenWeaveConfig(split_threshold=10**9),
 }
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_PRECISION_CASES = ((3, 64), (1, 1000))  # (batch, tokens)
 SP_REFUSAL = "First dimension of the tensor should be divisible by tensor parallel size"
 
 
@@ -79,12 +81,70 @@ def _parity_worker(rank: int, world: int) -> dict:
                     case["finite"] = bool(torch.isfinite(got).all())
                     case["calls"] = list(calls)
                 results[(seq, batch, sp, split)] = case
+    return results, _low_precision(world, state)
+
+
+def _try_forward(model, tokens):
+    try:
+        return forward(model, tokens), None
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _low_precision(world: int, state: dict) -> dict:
+    """bf16/fp16 models: errors of stock and tokenweave logits against the fp32 stock model.
+
+    "cast": built with params_dtype and cast whole to the dtype (what Megatron's Float16Module
+    does). "params_dtype": built with params_dtype only, not cast (the norms stay fp32 there,
+    in the stock model as in ours), which the stock model runs.
+    """
+    exact_model = build_model("stock", SHAPE, LAYERS, world)
+    exact_model.load_state_dict(state, strict=True)
+    forced = SPLITS["forced"]
+    gen = torch.Generator().manual_seed(23)
+    results: dict = {}
+    for flag, dtype in LOW_PRECISION.items():
+        kwargs = {"params_dtype": dtype, flag: True}
+        for cast in (True, False):
+            stock = build_model("stock", SHAPE, LAYERS, world, **kwargs)
+            stock.load_state_dict(state, strict=True)
+            for sp in (False, True) if cast else (False,):
+                kind = "tokenweave_block" if sp else "tokenweave"
+                woven = build_model(kind, SHAPE, LAYERS, world, forced, sequence_parallel=sp,
+                                    **kwargs)
+                woven.load_state_dict(state, strict=True)
+                if cast:
+                    stock, woven = stock.to(dtype), woven.to(dtype)
+                for batch, seq in LOW_PRECISION_CASES if cast else ((1, 8),):
+                    tokens = torch.randint(0, SHAPE.vocab, (batch, seq), generator=gen)
+                    exact = forward(exact_model, tokens)
+                    want, stock_error = _try_forward(stock, tokens)
+                    with record_fused_calls() as calls:
+                        got, error = _try_forward(woven, tokens)
+                    results[(flag, cast, sp, batch, seq)] = dict(
+                        stock_error=stock_error,
+                        error=error,
+                        dtype=str(got.dtype) if got is not None else None,
+                        stock_err=rel_err(want.float(), exact) if want is not None else None,
+                        err=rel_err(got.float(), exact) if got is not None else None,
+                        calls=len(calls),
+                    )
     return results
 
 
 @pytest.fixture(scope="module")
-def per_rank():
+def both():
     return run_ranks(_parity_worker)
+
+
+@pytest.fixture(scope="module")
+def per_rank(both):
+    return [fp32 for fp32, _ in both]
+
+
+@pytest.fixture(scope="module")
+def low_precision(both):
+    return [low for _, low in both]
 
 
 def _cases(per_rank, runnable: bool):
@@ -178,3 +238,37 @@ def test_sequence_parallel_refuses_lengths_not_divisible_by_tp(per_rank):
     for rank, seq, batch, _sp, split, case in refused:
         assert case["stock_raised"] == ("AssertionError", SP_REFUSAL), (rank, seq, batch)
         assert case["raised"] == ("AssertionError", SP_REFUSAL), (rank, seq, batch, split, case)
+
+
+@pytest.mark.parametrize("flag", sorted(LOW_PRECISION))
+def test_low_precision_within_rounding_of_fp32(low_precision, flag):
+    """bf16/fp16 models (cast whole to the dtype, as Float16Module does), split forced, SP off
+    and on: the tokenweave logits are within 2 ulps of the dtype (relative to the largest logit)
+    of the fp32 stock model's, like the stock model's own low-precision logits, and the fused
+    path ran (4 calls per layer)."""
+    dtype = LOW_PRECISION[flag]
+    bound = 2 * torch.finfo(dtype).eps
+    for rank, results in enumerate(low_precision):
+        cases = {k: v for k, v in results.items() if k[0] == flag and k[1]}
+        assert len(cases) == 2 * len(LOW_PRECISION_CASES)
+        for key, case in cases.items():
+            assert case["stock_error"] is None and case["error"] is None, (rank, key, case)
+            assert case["dtype"] == str(dtype), (rank, key, case)
+            assert case["stock_err"] <= bound, (rank, key, case)  # the yardstick holds
+            assert case["err"] <= bound, (rank, key, case)
+            assert case["calls"] == 4 * LAYERS, (rank, key, case)
+
+
+@pytest.mark.parametrize("flag", sorted(LOW_PRECISION))
+def test_params_dtype_model_without_cast_runs_like_stock(low_precision, flag):
+    """A model built with params_dtype=bf16/fp16 and not cast (its norm weights stay fp32, in
+    the stock local spec as in ours) runs with the stock spec; the tokenweave model must run it
+    too (fused path, or the stock fallback) and give logits within 2 ulps of the fp32 model."""
+    bound = 2 * torch.finfo(LOW_PRECISION[flag]).eps
+    for rank, results in enumerate(low_precision):
+        cases = {k: v for k, v in results.items() if k[0] == flag and not k[1]}
+        assert cases
+        for key, case in cases.items():
+            assert case["stock_error"] is None, (rank, key, case)
+            assert case["error"] is None, (rank, key, case["error"])
+            assert case["err"] <= bound, (rank, key, case)

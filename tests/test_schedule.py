@@ -113,7 +113,8 @@ def test_side_stream_on_cpu_is_a_no_op():
 
 
 def _handoff(residual: torch.Tensor) -> Handoff:
-    return Handoff(residual, torch.randn(1, *residual.shape), (Half(0, residual.shape[0]),), (None,))
+    normed = torch.randn(1, *residual.shape)
+    return Handoff(residual, normed, (Half(0, residual.shape[0]),), (None,))
 
 
 def test_weave_chain_claim_returns_handoff_for_the_same_tensor():

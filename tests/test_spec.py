@@ -137,7 +137,7 @@ def test_layers_of_one_block_share_one_chain(single_rank_group, num_layers):
     layers = list(model.decoder.layers)
     chain = layers[0]._chain
     assert all(layer._chain is chain for layer in layers)
-    for layer, nxt in zip(layers, layers[1:]):
+    for layer, nxt in zip(layers[:-1], layers[1:], strict=True):
         assert chain.successor(layer) is nxt
     assert chain.successor(layers[-1]) is None
     other = build_model("tokenweave", SHAPE, num_layers, 1)

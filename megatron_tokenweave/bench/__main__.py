@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-NAMES = ("kernel", "block")
+NAMES = ("kernel", "block", "timeline")
 
 
 def main() -> None:

@@ -65,8 +65,8 @@ def _no_tp_comm() -> Iterator[None]:
 VARIANTS = {
     "tokenweave": (False, {}),
     "tokenweave_sp": (True, {}),
-    "tokenweave_sp_split": (True, {"split_threshold": 0}),
-    "tokenweave_sp_nosplit": (True, {"split_threshold": 1 << 30}),
+    "tokenweave_sp_split": (True, {"split_threshold": 0, "tuning_table": "none"}),
+    "tokenweave_sp_nosplit": (True, {"split_threshold": 1 << 30, "tuning_table": "none"}),
 }
 
 

@@ -1,0 +1,119 @@
+"""Split policy: per forward, whether to split the tokens and how many CTAs the kernel gets.
+
+Chosen from a tuning table measured for (GPU, TP size, hidden size, dtype) by
+`python -m megatron_tokenweave.tune`, else from TokenWeaveConfig. Tables are JSON:
+
+    {"gpu": "NVIDIA H200", "tp": 2, "hidden": 8192, "dtype": "bfloat16",
+     "entries": [{"min_tokens": 0, "split": false, "comm_ctas_alone": 64}, ...]}
+
+An entry applies from `min_tokens` (tokens of one forward, all shards) up to the next entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.log import log_once
+
+SHIPPED_TABLES = Path(__file__).parent / "tables"
+CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
+TUNABLE = ("comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one forward does: split or not, and the kernel's CTAs in each phase."""
+
+    split: bool
+    comm_ctas_attn: int
+    comm_ctas_mlp: int
+    comm_ctas_alone: int
+
+
+@dataclass(frozen=True)
+class TableKey:
+    gpu: str
+    tp: int
+    hidden: int
+    dtype: str
+
+    @classmethod
+    def of(cls, device: torch.device, tp: int, hidden: int, dtype: torch.dtype) -> TableKey:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        return cls(gpu, tp, hidden, str(dtype).removeprefix("torch."))
+
+
+def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
+    """Read and validate one table file."""
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        key = TableKey(str(data["gpu"]), int(data["tp"]), int(data["hidden"]), str(data["dtype"]))
+        entries = sorted(data["entries"], key=lambda e: int(e["min_tokens"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a TokenWeave tuning table ({exc})") from None
+    for entry in entries:
+        unknown = set(entry) - {"min_tokens", "split", *TUNABLE}
+        if unknown:
+            raise ValueError(f"{path}: unknown fields {sorted(unknown)} in {entry}")
+    return key, entries
+
+
+class SplitPolicy:
+    """Plans for one (device, TP size, hidden, dtype): the matching table, else the config."""
+
+    def __init__(self, cfg: TokenWeaveConfig, key: TableKey) -> None:
+        self.cfg = cfg
+        self.key = key
+        self.entries = self._find_entries()
+
+    def _candidates(self) -> list[str]:
+        if self.cfg.tuning_table in ("", "none"):
+            return []
+        if self.cfg.tuning_table != "auto":
+            return [self.cfg.tuning_table]
+        return sorted(glob.glob(str(CACHE_DIR / "tuning" / "*.json"))) + sorted(
+            glob.glob(str(SHIPPED_TABLES / "*.json"))
+        )
+
+    def _find_entries(self) -> list[dict]:
+        for path in self._candidates():
+            key, entries = load_table(path)
+            if key == self.key:
+                log_once(f"table:{path}", f"TokenWeave: split policy from {path}")
+                return entries
+        if self.cfg.tuning_table not in ("auto", "", "none"):
+            raise ValueError(f"{self.cfg.tuning_table} has no table for {self.key}")
+        return []
+
+    def plan(self, tokens: int) -> Plan:
+        """The plan for a forward of `tokens` tokens (all shards together)."""
+        base = Plan(
+            split=tokens >= self.cfg.split_threshold,
+            comm_ctas_attn=self.cfg.comm_ctas_attn,
+            comm_ctas_mlp=self.cfg.comm_ctas_mlp,
+            comm_ctas_alone=self.cfg.comm_ctas_alone,
+        )
+        chosen = None
+        for entry in self.entries:
+            if int(entry["min_tokens"]) <= tokens:
+                chosen = entry
+        if chosen is None:
+            return base
+        overrides = {k: v for k, v in chosen.items() if k != "min_tokens"}
+        return dataclasses.replace(base, **overrides)
+
+
+@functools.lru_cache(maxsize=64)
+def get_policy(cfg: TokenWeaveConfig, key: TableKey) -> SplitPolicy:
+    """One policy per (config, table key): tables are read once per process."""
+    return SplitPolicy(cfg, key)
