@@ -51,6 +51,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         self.tokenweave_config = TokenWeaveConfig.from_env(tokenweave_config)
         self._chain = self._join_chain()
         self._register_load_state_dict_pre_hook(self._accept_stock_norm_keys)
+        self._validated = False  # fused-op arguments checked once, on the first woven forward
 
     def _accept_stock_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
         """Load TE-spec state dicts, whose norm weights live in the fused TE linears."""
@@ -160,6 +161,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             self._input_norm(x, normed, sp)
             input_events = (None,) * len(halves)
 
+        validate = not self._validated
+        self._validated = True
+
         def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, events: list) -> None:
             """Half i's fused op: main stream when unsplit, else the side stream (+ an event)."""
             half = halves[i]
@@ -168,11 +172,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             normed_out = half.of(normed) if weight is not None else None
             args = (ws, partials[i], src[rows], weight, eps, residual[rows], normed_out, layout)
             if not split:
-                fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone)
+                fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone, validate)
                 events.append(None)
                 return
             with side.run():
-                fused_allreduce_rmsnorm(*args, ctas)
+                fused_allreduce_rmsnorm(*args, ctas, validate)
             events.append(side.record())
 
         # Attention: qkv per half as its input arrives, attention whole, proj per half + fused op.

@@ -239,7 +239,7 @@ def _forward(model, tokens, grad=False):
 def test_tp1_falls_back_to_stock(single_rank_group):
     """At TP=1 the woven layer runs the stock forward: same logits, no fused call, logged."""
     messages = _capture_log()
-    config = TokenWeaveConfig(split_threshold=0, split_align=1)
+    config = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
     stock = build_model("stock", SHAPE, 2, 1)
     randomize_norms_(stock, seed=4)
     woven = build_model("tokenweave", SHAPE, 2, 1, config)
@@ -271,7 +271,9 @@ def _model_worker(rank: int, world: int) -> dict:
     out: dict = {}
 
     # Capacity first: this model creates the process's workspace for its (group, hidden, dtype).
-    small = TokenWeaveConfig(max_tokens=CAPACITY, split_threshold=0, split_align=1)
+    small = TokenWeaveConfig(
+        max_tokens=CAPACITY, split_threshold=0, split_align=1, tuning_table="none"
+    )
     for sp, (batch, seq) in ((False, (3, 11)), (True, (1, 34)), (False, (2, 16)), (True, (2, 16))):
         kind = "tokenweave_block" if sp else "tokenweave"
         model = build_model(kind, SHAPE, 2, world, small, sequence_parallel=sp)
@@ -289,7 +291,7 @@ def _model_worker(rank: int, world: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         out["kernel"] = (type(exc).__name__, str(exc))
 
-    forced = TokenWeaveConfig(split_threshold=0, split_align=1)
+    forced = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
     for name, case in FALLBACKS.items():
         norm = case["normalization"]
         stock = build_model("stock", case["shape"], 2, world, normalization=norm)

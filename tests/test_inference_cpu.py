@@ -52,7 +52,7 @@ def _inference_worker(rank: int, world: int) -> list[dict]:
     from megatron.core.inference.utils import InferenceMode
 
     setup_tp(world)
-    tw_config = TokenWeaveConfig(split_threshold=THRESHOLD, split_align=1)
+    tw_config = TokenWeaveConfig(split_threshold=THRESHOLD, split_align=1, tuning_table="none")
     stock = build_model("stock", SHAPE, LAYERS, world, max_seq=128)
     randomize_norms_(stock, seed=5)
     woven = build_model("tokenweave", SHAPE, LAYERS, world, tw_config, max_seq=128)

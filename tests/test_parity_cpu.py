@@ -31,9 +31,11 @@ LAYERS = 3
 SHAPE = SHAPES["tiny"]  # hidden 64, 4 heads, 2 query groups (GQA)
 ALIGN, OFFSET = 128, 8
 SPLITS = {
-    "forced": TokenWeaveConfig(split_threshold=0, split_align=1),
-    "aligned": TokenWeaveConfig(split_threshold=0, split_align=ALIGN, split_offset=OFFSET),
-    "none": TokenWeaveConfig(split_threshold=10**9),
+    "forced": TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none"),
+    "aligned": TokenWeaveConfig(
+        split_threshold=0, split_align=ALIGN, split_offset=OFFSET, tuning_table="none"
+    ),
+    "none": TokenWeaveConfig(split_threshold=10**9, tuning_table="none"),
 }
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOW_PRECISION_CASES = ((3, 64), (1, 1000))  # (batch, tokens)

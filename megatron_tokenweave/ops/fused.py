@@ -23,6 +23,7 @@ def fused_allreduce_rmsnorm(
     normed_out: torch.Tensor | None,
     layout: Layout,
     ctas: int = 16,
+    validate: bool = True,
 ) -> None:
     """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
 
@@ -34,13 +35,15 @@ def fused_allreduce_rmsnorm(
     normed_out: [C, n, H] with dense rows and any chunk stride: the normed rows of every chunk,
         on every rank. On the kernel backend it must lie in `workspace.normed`.
     ctas: CTAs the kernel may use (ignored by the reference).
+    validate: check the arguments (the layer checks once per layer, then builds them the same
+        way every call; the reference always checks).
     """
     if workspace.backend == "kernel":
         from megatron_tokenweave import kernels
 
         kernels.fused_allreduce_rmsnorm(
             partial, residual, weight, eps, residual_out, normed_out, layout,
-            workspace.symmetric, ctas=ctas,
+            workspace.symmetric, ctas=ctas, validate=validate,
         )
     else:
         fused_allreduce_rmsnorm_reference(
