@@ -96,6 +96,8 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
   p.sequence_parallel = sequence_parallel ? 1 : 0;
   p.eps = static_cast<float>(eps);
   p.timeout_ns = static_cast<uint64_t>(timeout_ns);
+  const char* dbg = std::getenv("TOKENWEAVE_DEBUG_LOCAL_STORES");
+  p.debug_local_stores = (dbg != nullptr && dbg[0] == '1') ? 1 : 0;
   if (weight.has_value()) {
     TORCH_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
     const at::Tensor& w = *weight;
@@ -125,21 +127,20 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
 }
 
 // Stages of the bulk-copy pipeline for this shape, or 0 to use the register path: fewer than 2
-// stages of `world` rows fit in kStageSmemBytes, or TOKENWEAVE_NO_BULK=1 (read at every launch;
+// stages of `world` + 1 rows fit in kStageSmemBytes, or TOKENWEAVE_NO_BULK=1 (read at every launch;
 // for benchmarks and debugging).
 int bulk_stages(int world, int64_t hidden, int64_t elem_bytes) {
   const char* off = std::getenv("TOKENWEAVE_NO_BULK");
   if (off != nullptr && off[0] == '1') return 0;
-  const int64_t stage = world * hidden * elem_bytes;
+  const int64_t stage = (world + 1) * hidden * elem_bytes;
   const int64_t n = kStageSmemBytes / stage;
   return n < 2 ? 0 : static_cast<int>(n < kMaxStages ? n : kMaxStages);
 }
 
-// cudaFuncSetAttribute once per kernel instantiation and device (before the first launch; not a
-// stream operation, so also fine before a CUDA-graph capture that reuses the kernel).
+// cudaFuncSetAttribute once per kernel instantiation (`done` is that instantiation's own flag
+// word) and device, before its first launch there.
 template <typename Kernel>
-void allow_stage_smem(Kernel kernel) {
-  static std::atomic<uint64_t> done{0};
+void allow_stage_smem(Kernel kernel, std::atomic<uint64_t>& done) {
   int dev = 0;
   TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "tokenweave: cudaGetDevice failed");
   const uint64_t bit = uint64_t{1} << (dev & 63);
@@ -153,9 +154,10 @@ void allow_stage_smem(Kernel kernel) {
 
 template <typename T, int NP, int VPT>
 void launch_bulk(const FusedParams& p, int grid, int threads, int stages, cudaStream_t stream) {
+  static std::atomic<uint64_t> smem_set{0};  // one per <T, NP, VPT>
   auto kernel = fused_allreduce_rmsnorm_bulk_kernel<T, NP, VPT>;
-  allow_stage_smem(kernel);
-  const size_t smem = static_cast<size_t>(stages) * p.world * p.hidden * sizeof(T);
+  allow_stage_smem(kernel, smem_set);
+  const size_t smem = static_cast<size_t>(stages) * (p.world + 1) * p.hidden * sizeof(T);
   kernel<<<grid, threads, smem, stream>>>(p, stages);
 }
 

@@ -181,7 +181,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
         # Attention: qkv per half as its input arrives, attention whole, proj per half + fused op.
         attn_events: list = []
-        pre_mlp = norm_weight_eps(self.pre_mlp_layernorm)
+        pre_mlp = _in_dtype(norm_weight_eps(self.pre_mlp_layernorm), x.dtype)
         attention = self.self_attention
         attention.linear_qkv.weave = Weave(
             chunks, halves, before=lambda i: side.wait(input_events[i])
@@ -202,7 +202,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
         # MLP per half; its fused op also applies the next layer's input norm when there is one.
         successor = self._chain.successor(self)
-        next_norm = norm_weight_eps(successor.input_layernorm) if successor is not None else None
+        next_norm = (
+            _in_dtype(norm_weight_eps(successor.input_layernorm), x.dtype)
+            if successor is not None
+            else None
+        )
         mlp_events: list = []
         mlp = self.mlp
         try:
@@ -252,7 +256,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
     def _input_norm(self, x: torch.Tensor, normed: torch.Tensor, sp: bool) -> None:
         """normed[C, n, H] <- the input norm of every row (gathered under sequence parallelism)."""
-        local = self.input_layernorm(x).reshape(-1, x.shape[-1])
+        local = self.input_layernorm(x).reshape(-1, x.shape[-1]).to(normed.dtype)
         if sp:
             flat = normed.view(-1, x.shape[-1])
             dist.all_gather_into_tensor(flat, local.contiguous(), group=self.tp_group)
@@ -281,3 +285,12 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs[k] for k in _ATTENTION_KEYS if k in kwargs}
 
 
+
+
+def _in_dtype(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype):
+    """(weight, eps) with the weight in the activations' dtype: Megatron builds torch norms in
+    the default dtype when a model is not cast as a whole (a no-op when the dtypes agree)."""
+    if norm is None:
+        return None
+    weight, eps = norm
+    return weight.to(dtype), eps

@@ -5,7 +5,8 @@ norm vs the tokenweave fused kernel at several CTA counts, plus overlap beside a
 
 Rows: tokenweave (bulk-copy path where it applies), tokenweave_regs (register path forced with
 TOKENWEAVE_NO_BULK=1, at --regs-ctas), tokenweave_graph (--graph-ctas, CUDA-graph replay of 10
-calls / 10: device time without host overhead).
+calls / 10: device time without host overhead), tokenweave_localstores (--graph-ctas,
+diagnostics only: TOKENWEAVE_DEBUG_LOCAL_STORES=1 skips the remote stores of normed rows).
     (or python -m megatron_tokenweave.bench.kernel ...)
 
 Spawns 2 processes (NCCL, one GPU each). CUDA events, median of >= 25 timings after a warm-up,
@@ -137,6 +138,12 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                     add_row("tokenweave_regs", T, ctas, _time(tw, args.iters))
                 finally:
                     os.environ.pop("TOKENWEAVE_NO_BULK", None)
+            if ctas == args.graph_ctas:  # diagnostics: normed rows not stored to the peer
+                os.environ["TOKENWEAVE_DEBUG_LOCAL_STORES"] = "1"
+                try:
+                    add_row("tokenweave_localstores", T, ctas, _time(tw, args.iters))
+                finally:
+                    os.environ.pop("TOKENWEAVE_DEBUG_LOCAL_STORES", None)
             if ctas == args.graph_ctas:  # device time without the host's per-call overhead
                 g = torch.cuda.CUDAGraph()
                 side_g = torch.cuda.Stream()
@@ -276,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _col(r: dict) -> str:
-    short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph"}
+    short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph",
+             "tokenweave_localstores": "lst"}
     return f"{short[r['impl']]}{r['ctas']}" if r["impl"] in short else r["impl"]
 
 

@@ -39,7 +39,7 @@ def fused_allreduce_rmsnorm_reference(
         mine = torch.empty(rows, hidden, dtype=torch.float32, device=partial.device)
         dist.reduce_scatter_tensor(mine, acc.reshape(chunks * rows, hidden), group=group)
     else:
-        mine = acc[0].contiguous()
+        mine = partial[0].to(torch.float32, copy=True)  # never reduce into the caller's input
         dist.all_reduce(mine, group=group)
     y = mine + residual.float()
     if weight is not None:

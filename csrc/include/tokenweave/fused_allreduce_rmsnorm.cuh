@@ -3,15 +3,16 @@
 // Two data paths, same math and same inter-rank protocol (signal.cuh):
 //
 // 1. Bulk-copy pipeline (fused_allreduce_rmsnorm_bulk_kernel, the default whenever S >= 2 stages
-//    of P rows fit in shared memory, see bulk_stages() in ops.cu): one row per CTA iteration.
+//    of P + 1 rows fit in shared memory, see bulk_stages() in ops.cu): one row per CTA iteration.
 //    Thread 0 keeps S stages in flight: stage s holds the P partial rows (one per rank, peers'
-//    read over NVLink) of a future row, fetched with cp.async.bulk (no registers used) and
-//    completed on mbarrier full[s]. Every thread waits for full[s], sums its kVpt 16-byte vectors
-//    of the P rows in fp32 in rank order, adds the residual (loaded into registers before the
-//    wait), stores residual_out, block-reduces the sum of squares; the __syncthreads of that
+//    read over NVLink) and the residual row of a future row, fetched with cp.async.bulk (no
+//    registers used) and completed on mbarrier full[s]. Every thread waits for full[s], sums its
+//    kVpt 16-byte vectors of the P rows in fp32 in rank order, adds the residual, stores
+//    residual_out, block-reduces the sum of squares; the __syncthreads of that
 //    reduction also proves that every thread is done reading stage s, so thread 0 refills it with
 //    the row S iterations ahead before the CTA normalizes and stores the current one. With P=2,
-//    H=8192 that is 6 stages x 32 KB = 192 KB in flight per CTA (the register path had ~32 KB).
+//    H=8192 that is 4 stages x 48 KB = 192 KB in flight per CTA (the register path had ~32 KB
+//    of peer data).
 // 2. Register path (fused_allreduce_rmsnorm_kernel, fallback when fewer than 2 stages fit, e.g.
 //    P=8 and H=8192, or TOKENWEAVE_NO_BULK=1): kRows rows per iteration; every thread loads kVpt
 //    16-byte vectors of each of kRows rows from each of the P peers' partial (all loads issued
@@ -46,6 +47,8 @@ struct FusedParams {
   int sequence_parallel;      // 1: rank r reduces chunk r, stores normed rows to every peer
   float eps;
   uint64_t timeout_ns;
+  int debug_local_stores;     // benchmark diagnostics only (TOKENWEAVE_DEBUG_LOCAL_STORES=1):
+                              // store normed rows locally, not to peers (results then WRONG)
 };
 
 // Rows per CTA iteration: keep kRows*kVpt*kNp vector loads (4 regs each) and kRows*kVpt*8 fp32
@@ -229,12 +232,13 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const uint32_t stage_bytes = static_cast<uint32_t>(world * row_bytes);
+  const uint32_t stage_bytes = static_cast<uint32_t>((world + 1) * row_bytes);
   const int64_t src_off = p.partial_off + chunk * p.partial_cstride;
   const int nwarps = blockDim.x / 32;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
 
-  // Thread 0: fetch the P partial rows of `row` into stage s (peers' over NVLink).
+  // Thread 0: fetch the P partial rows of `row` (peers' over NVLink) and its residual row into
+  // stage s.
   auto issue = [&](int s, int row) {
     unsigned char* dst = s_stage + static_cast<int64_t>(s) * stage_bytes;
     mbar_arrive_expect_tx(&s_full[s], stage_bytes);
@@ -242,9 +246,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int q = 0; q < world; ++q)
       bulk_load(dst + q * row_bytes, reinterpret_cast<const char*>(p.bases[q]) + off,
                 static_cast<uint32_t>(row_bytes), &s_full[s]);  // thread 0 only: not unrolled
+    bulk_load(dst + world * row_bytes, static_cast<const char*>(p.residual) + row * row_bytes,
+              static_cast<uint32_t>(row_bytes), &s_full[s]);
   };
   if (tid == 0) {
-    fence_proxy_async_global();  // peers' rows, published before START, are now bulk-read
+    fence_proxy_async_global();  // rows published before START (peers') are now bulk-read
     for (int i = 0; i < stages; ++i) {
       const int row = b + i * G;
       if (row >= p.rows) break;
@@ -256,14 +262,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   uint32_t phase = 0;
   int parity = 0;
   for (int row = b; row < p.rows; row += G, parity ^= 1) {
-    Vec16 res[kVpt];
-#pragma unroll
-    for (int v = 0; v < kVpt; ++v) {
-      const int col = tid + v * blockDim.x;
-      if (col < hv)
-        res[v] = reinterpret_cast<const Vec16*>(static_cast<const char*>(p.residual) +
-                                                row * row_bytes)[col];
-    }
     mbar_wait(&s_full[s], phase);
     const unsigned char* st = s_stage + static_cast<int64_t>(s) * stage_bytes;
     float y[kVpt][8];
@@ -277,7 +275,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         for (int q = 1; q < kNp; ++q)
           if (q < world)
             add_vec<T>(y[v], reinterpret_cast<const Vec16*>(st + q * row_bytes)[col]);
-        add_vec<T>(y[v], res[v]);
+        add_vec<T>(y[v], reinterpret_cast<const Vec16*>(st + world * row_bytes)[col]);
         reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
             pack_vec<T>(y[v]);
 #pragma unroll
@@ -320,7 +318,8 @@ __global__ void __launch_bounds__(kMaxThreads)
           const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
 #pragma unroll
           for (int q = 0; q < kNp; ++q)
-            if (q < world) *reinterpret_cast<Vec16*>(data[q] + dst) = out;
+            if (q < world && (!p.debug_local_stores || q == p.rank))
+              *reinterpret_cast<Vec16*>(data[q] + dst) = out;
         } else {
           *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
         }
