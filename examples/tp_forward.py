@@ -40,7 +40,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     )
 
     from megatron_tokenweave.config import TokenWeaveConfig
-    from megatron_tokenweave.cpu_compat import cpu_device_scope, initialize_model_parallel
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+    from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.models import Shape, build_gpt, llama_config
     from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec, te_available
 

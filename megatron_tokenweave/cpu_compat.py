@@ -27,13 +27,3 @@ def cpu_device_scope() -> Iterator[None]:
         yield
     finally:
         torch.cuda.current_device = original  # type: ignore[assignment]
-
-
-def initialize_model_parallel(tensor_model_parallel_size: int, seed: int = 1234) -> None:
-    """Megatron's parallel state and its inference RNG tracker (no dropout-RNG forks: works on
-    CPU and inside CUDA-graph capture)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

@@ -76,3 +76,13 @@ def spawn(
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int, seed: int = 1234) -> None:
+    """Megatron's parallel state (in a spawned rank) and its inference RNG tracker: no
+    dropout-RNG forks, which works on CPU and inside CUDA-graph capture."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

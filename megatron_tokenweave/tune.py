@@ -56,7 +56,7 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> dict
     from megatron_tokenweave.bench.sdpa import with_sdpa
     from megatron_tokenweave.bench.timing import interleaved_medians
     from megatron_tokenweave.config import TokenWeaveConfig
-    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+    from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec, te_available
 
     initialize_model_parallel(world)

@@ -24,7 +24,7 @@ def run_ranks(fn, *args: Any) -> list[Any]:
 
 def setup_tp(world: int) -> None:
     """Megatron's parallel state at TP=world (call once per spawned rank)."""
-    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+    from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
 

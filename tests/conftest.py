@@ -44,7 +44,7 @@ def single_rank_group():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+    from megatron_tokenweave.launch import initialize_model_parallel
 
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)

@@ -46,7 +46,7 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
 
 def _parity(rank: int, world: int) -> list[tuple]:
     import megatron_tokenweave.layer as layer_mod
-    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+    from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
     calls: list[int] = []
@@ -100,7 +100,7 @@ def _graph(rank: int, world: int) -> list[float]:
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_tokenweave.config import TokenWeaveConfig
-    from megatron_tokenweave.cpu_compat import initialize_model_parallel
+    from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.models import Shape, llama_config
     from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec
 
