@@ -1,0 +1,69 @@
+"""A small 2-rank run of the fused kernel for compute-sanitizer (memcheck, racecheck).
+
+Ranks talk over gloo (no NCCL under the sanitizer), map each other's buffers by CUDA IPC and
+check the kernel against an fp32 computation of the gathered inputs. Exit code 0: all correct.
+Launched by tests/gpu/test_sanitizer.py as `compute-sanitizer ... python _sanitize_case.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.launch import NO_MULTICAST_ENV
+    from megatron_tokenweave.ops.reference import rms_norm_fp32
+    from megatron_tokenweave.ops.validate import Layout
+
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    n, hidden, dtype, eps = 37, 1024, torch.bfloat16, 1e-5
+    buf = kernels.SymmetricBuffer(dist.group.WORLD, 4 << 20, rank, timeout_s=300)
+    gen = torch.Generator().manual_seed(7)
+    for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
+        chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
+        parts = [torch.randn(chunks, n, hidden, generator=gen).to(dtype) for _ in range(world)]
+        res_all = [torch.randn(n, hidden, generator=gen).to(dtype) for _ in range(world)]
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        partial = buf.view(dtype, (chunks, n, hidden), 0)
+        partial.copy_(parts[rank])
+        residual = (res_all[rank] if chunks > 1 else res_all[0]).cuda()
+        normed = buf.view(dtype, (chunks, n, hidden), 1 << 20) if chunks > 1 else \
+            torch.empty(1, n, hidden, dtype=dtype, device="cuda")
+        normed.fill_(float("nan"))
+        out = torch.full_like(residual, float("nan"))
+        dist.barrier()
+        kernels.fused_allreduce_rmsnorm(partial, residual, weight.cuda(), eps, out, normed,
+                                        layout, buf, ctas=4)
+        torch.cuda.synchronize()
+        dist.barrier()
+        mine = rank if chunks > 1 else 0
+        y = sum(p[mine].float() for p in parts) + residual.cpu().float()
+        want_normed = [
+            rms_norm_fp32(sum(p[c].float() for p in parts)
+                          + (res_all[c] if chunks > 1 else res_all[0]).float(), weight, eps)
+            for c in range(chunks)
+        ]
+        err_y = (out.cpu().float() - y).abs().max().item()
+        err_n = max((normed[c].cpu().float() - want_normed[c]).abs().max().item()
+                    for c in range(chunks))
+        if not (err_y < 0.1 and err_n < 0.1):
+            raise SystemExit(f"rank {rank} {layout.value}: errors {err_y} {err_n}")
+    buf.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 29561
+    mp.spawn(_worker, args=(2, port), nprocs=2, join=True)
+    print("sanitize case: ok")
