@@ -26,6 +26,8 @@ class TokenWeaveConfig:
         after attention / after the MLP.
     comm_ctas_alone: CTAs of the fused kernel when the tokens are not split (nothing runs beside
         it, so it may take many SMs).
+    gemm_sm_carveout: SMs the split GEMMs leave free for the kernel beside them (cuBLASLt's SM
+        count target through torch's experimental carve-out; 0 = off).
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
     backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
         (the kernel where every TP rank is on this node with peer access, else reference).
@@ -41,6 +43,7 @@ class TokenWeaveConfig:
     comm_ctas_attn: int = 16
     comm_ctas_mlp: int = 16
     comm_ctas_alone: int = 64
+    gemm_sm_carveout: int = 0
     max_tokens: int = 16384
     backend: Backend = "auto"
     defer_across_layers: bool = True
@@ -55,6 +58,8 @@ class TokenWeaveConfig:
             value = getattr(self, name)
             if not 1 <= value <= 1024:
                 raise ValueError(f"{name} must be in [1, 1024], got {value}")
+        if not 0 <= self.gemm_sm_carveout < 1024:
+            raise ValueError(f"gemm_sm_carveout must be in [0, 1024), got {self.gemm_sm_carveout}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.backend not in _BACKENDS:

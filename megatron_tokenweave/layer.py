@@ -17,7 +17,9 @@ Where the fused path does not apply, the stock TransformerLayer.forward runs (lo
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -179,53 +181,55 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 fused_allreduce_rmsnorm(*args, ctas, validate)
             events.append(side.record())
 
-        # Attention: qkv per half as its input arrives, attention whole, proj per half + fused op.
-        attn_events: list = []
-        pre_mlp = _in_dtype(norm_weight_eps(self.pre_mlp_layernorm), x.dtype)
-        attention = self.self_attention
-        attention.linear_qkv.weave = Weave(
-            chunks, halves, before=lambda i: side.wait(input_events[i])
-        )
-        attention.linear_proj.weave = Weave(
-            chunks,
-            halves,
-            partials=partials,
-            add_bias=rank == 0,
-            after=lambda i: launch(i, residual_in, pre_mlp, plan.comm_ctas_attn, attn_events),
-        )
-        try:
-            attention(
-                normed.view(chunks * s_local, batch, hidden), **_attention_kwargs(attn_kwargs)
+        # The split GEMMs may leave SMs to the kernel beside them (plan.gemm_sm_carveout).
+        with _gemm_sm_carveout(plan.gemm_sm_carveout if split else 0):
+            # Attention: qkv per half as its input arrives, attention whole, proj per half.
+            attn_events: list = []
+            pre_mlp = _in_dtype(norm_weight_eps(self.pre_mlp_layernorm), x.dtype)
+            attention = self.self_attention
+            attention.linear_qkv.weave = Weave(
+                chunks, halves, before=lambda i: side.wait(input_events[i])
             )
-        finally:
-            attention.linear_qkv.weave = attention.linear_proj.weave = None
-
-        # MLP per half; its fused op also applies the next layer's input norm when there is one.
-        successor = self._chain.successor(self)
-        next_norm = (
-            _in_dtype(norm_weight_eps(successor.input_layernorm), x.dtype)
-            if successor is not None
-            else None
-        )
-        mlp_events: list = []
-        mlp = self.mlp
-        try:
-            for i, half in enumerate(halves):
-                side.wait(attn_events[i])
-                whole = (Half(0, half.rows),)
-                mlp.linear_fc1.weave = Weave(chunks, whole)
-                mlp.linear_fc2.weave = Weave(
-                    chunks,
-                    whole,
-                    partials=(partials[i],),
-                    add_bias=rank == 0,
-                    after=lambda _, i=i: launch(
-                        i, residual, next_norm, plan.comm_ctas_mlp, mlp_events
-                    ),
+            attention.linear_proj.weave = Weave(
+                chunks,
+                halves,
+                partials=partials,
+                add_bias=rank == 0,
+                after=lambda i: launch(i, residual_in, pre_mlp, plan.comm_ctas_attn, attn_events),
+            )
+            try:
+                attention(
+                    normed.view(chunks * s_local, batch, hidden), **_attention_kwargs(attn_kwargs)
                 )
-                mlp(half.of(normed))
-        finally:
-            mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
+            finally:
+                attention.linear_qkv.weave = attention.linear_proj.weave = None
+
+            # MLP per half; its fused op also applies the next layer's input norm when there is one.
+            successor = self._chain.successor(self)
+            next_norm = (
+                _in_dtype(norm_weight_eps(successor.input_layernorm), x.dtype)
+                if successor is not None
+                else None
+            )
+            mlp_events: list = []
+            mlp = self.mlp
+            try:
+                for i, half in enumerate(halves):
+                    side.wait(attn_events[i])
+                    whole = (Half(0, half.rows),)
+                    mlp.linear_fc1.weave = Weave(chunks, whole)
+                    mlp.linear_fc2.weave = Weave(
+                        chunks,
+                        whole,
+                        partials=(partials[i],),
+                        add_bias=rank == 0,
+                        after=lambda _, i=i: launch(
+                            i, residual, next_norm, plan.comm_ctas_mlp, mlp_events
+                        ),
+                    )
+                    mlp(half.of(normed))
+            finally:
+                mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
 
         defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs(x)
         if not defer:
@@ -285,8 +289,6 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs[k] for k in _ATTENTION_KEYS if k in kwargs}
 
 
-
-
 def _in_dtype(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype):
     """(weight, eps) with the weight in the activations' dtype: Megatron builds torch norms in
     the default dtype when a model is not cast as a whole (a no-op when the dtypes agree)."""
@@ -294,3 +296,21 @@ def _in_dtype(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype):
         return None
     weight, eps = norm
     return weight.to(dtype), eps
+
+
+@contextlib.contextmanager
+def _gemm_sm_carveout(sms: int) -> Iterator[None]:
+    """Inside the scope, cuBLASLt GEMMs target all but `sms` SMs (torch's experimental carve-out;
+    the setting is read when a GEMM is issued, so CUDA graphs keep it)."""
+    if sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    previous_library = torch.backends.cuda.preferred_blas_library()
+    previous = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+        torch.backends.cuda.preferred_blas_library(previous_library)

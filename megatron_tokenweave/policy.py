@@ -26,7 +26,7 @@ from megatron_tokenweave.log import log_once
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
-TUNABLE = ("comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone")
+TUNABLE = ("comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone", "gemm_sm_carveout")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Plan:
     comm_ctas_attn: int
     comm_ctas_mlp: int
     comm_ctas_alone: int
+    gemm_sm_carveout: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class SplitPolicy:
             comm_ctas_attn=self.cfg.comm_ctas_attn,
             comm_ctas_mlp=self.cfg.comm_ctas_mlp,
             comm_ctas_alone=self.cfg.comm_ctas_alone,
+            gemm_sm_carveout=self.cfg.gemm_sm_carveout,
         )
         chosen = None
         for entry in self.entries:

@@ -27,6 +27,7 @@ from megatron_tokenweave.policy import CACHE_DIR, TableKey
 NEVER = 1 << 40
 ALONE_CTAS = (16, 32, 64, 128)
 SPLIT_CTAS = ((8, 8), (16, 16), (32, 32), (16, 32), (32, 16))
+CARVEOUT = ((8, 8), (16, 16))  # (ctas, SMs the split GEMMs leave free)
 
 
 def candidates() -> dict[str, dict]:
@@ -35,6 +36,11 @@ def candidates() -> dict[str, dict]:
     out.update({
         f"split{a}/{m}": dict(split_threshold=0, comm_ctas_attn=a, comm_ctas_mlp=m)
         for a, m in SPLIT_CTAS
+    })
+    out.update({
+        f"split{c}/{c}c{sms}": dict(split_threshold=0, comm_ctas_attn=c, comm_ctas_mlp=c,
+                                    gemm_sm_carveout=sms)
+        for c, sms in CARVEOUT
     })
     return out
 

@@ -67,6 +67,9 @@ VARIANTS = {
     "tokenweave_sp": (True, {}),
     "tokenweave_sp_split": (True, {"split_threshold": 0, "tuning_table": "none"}),
     "tokenweave_sp_nosplit": (True, {"split_threshold": 1 << 30, "tuning_table": "none"}),
+    "tokenweave_sp_split_c16": (
+        True, {"split_threshold": 0, "gemm_sm_carveout": 16, "tuning_table": "none"}
+    ),
 }
 
 
