@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
 out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/logs
 quiet() { grep -v "arn\|DEPRECATED\|func(\|^\s*$" ; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | quiet | tee "/tmp/logs/$name.log" | tail -${TAIL:-12}; }
-step build 240 pip install -v --no-build-isolation --no-deps -e .
+step build 240 python -m pip install -v --no-build-isolation --no-deps -e .
 python -c "import megatron_tokenweave._C" && echo "extension built by setup.py" || echo "no _C: JIT"
 step tune70 150 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 100
 step tune8 120 python -m megatron_tokenweave.tune --model llama-3-8b --budget-s 80
