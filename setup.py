@@ -59,6 +59,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tokenweave", "megatron_tokenweave.*"]),
+    package_data={"megatron_tokenweave": ["tables/*.json"]},
     install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging"],
     extras_require={"te": ["transformer-engine[pytorch]>=2.0"], "test": ["pytest"]},
     ext_modules=ext_modules,
