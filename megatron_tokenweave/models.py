@@ -25,6 +25,7 @@ class Shape:
 SHAPES = {
     "llama-3-8b": Shape(4096, 14336, 32, 8),
     "llama-3.3-70b": Shape(8192, 28672, 64, 8),
+    "qwen2.5-72b": Shape(8192, 29568, 64, 8, vocab=152064),
     "tiny": Shape(64, 160, 4, 2, vocab=256),
 }
 
@@ -56,14 +57,16 @@ def llama_config(shape: Shape, num_layers: int, tp: int, **overrides: Any) -> Tr
     return TransformerConfig(**kwargs)
 
 
-def build_gpt(config: TransformerConfig, spec: ModuleSpec, vocab: int, max_seq: int) -> GPTModel:
-    """A GPTModel with RoPE and untied embeddings, in eval mode."""
+def build_gpt(
+    config: TransformerConfig, spec: ModuleSpec, vocab: int, max_seq: int, tied: bool = False
+) -> GPTModel:
+    """A GPTModel with RoPE (embeddings tied to the output layer when `tied`), in eval mode."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=max_seq,
         position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=tied,
     )
     return model.eval()

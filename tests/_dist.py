@@ -54,9 +54,11 @@ def causal_mask(seq: int) -> torch.Tensor:
 
 
 def build_model(spec_kind: str, shape, layers: int, world: int, tokenweave_config=None,
-                max_seq: int = 2048, **config_overrides: Any):
+                max_seq: int = 2048, tied: bool = False, spec_kwargs: dict | None = None,
+                **config_overrides: Any):
     """A GPTModel with the stock local spec ("stock"), the tokenweave layer spec ("tokenweave")
-    or the tokenweave decoder block spec ("tokenweave_block"); in eval mode, on the CPU."""
+    or the tokenweave decoder block spec ("tokenweave_block"); in eval mode, on the CPU.
+    spec_kwargs go to Megatron's spec function (e.g. num_experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_tokenweave.cpu_compat import cpu_device_scope
@@ -67,21 +69,22 @@ def build_model(spec_kind: str, shape, layers: int, world: int, tokenweave_confi
     )
 
     norm = config_overrides.get("normalization", "RMSNorm")
+    spec_kwargs = {"normalization": norm, **(spec_kwargs or {})}
     with cpu_device_scope():
         config = llama_config(shape, layers, world, **config_overrides)
         if spec_kind == "stock":
-            spec = get_gpt_layer_local_spec(normalization=norm)
+            spec = get_gpt_layer_local_spec(**spec_kwargs)
         elif spec_kind == "tokenweave":
             spec = get_gpt_layer_tokenweave_spec(
-                False, tokenweave_config=tokenweave_config, normalization=norm
+                False, tokenweave_config=tokenweave_config, **spec_kwargs
             )
         elif spec_kind == "tokenweave_block":
             spec = get_gpt_decoder_block_tokenweave_spec(
-                config, False, tokenweave_config=tokenweave_config, normalization=norm
+                config, False, tokenweave_config=tokenweave_config, **spec_kwargs
             )
         else:
             raise ValueError(spec_kind)
-        return build_gpt(config, spec, shape.vocab, max_seq)
+        return build_gpt(config, spec, shape.vocab, max_seq, tied=tied)
 
 
 def randomize_norms_(model: torch.nn.Module, seed: int) -> None:
