@@ -34,7 +34,7 @@ from megatron_tokenweave.norm import norm_weight_eps
 from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
-from megatron_tokenweave.schedule import Half, Handoff, SideStream, WeaveChain, plan_halves
+from megatron_tokenweave.schedule import Half, Handoff, WeaveChain, plan_halves
 from megatron_tokenweave.workspace import get_workspace
 
 _CHAIN_ATTR = "_tokenweave_last_built_layer"
@@ -125,6 +125,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         reason = self._unsupported_reason(hidden_states)
         if reason is not None:
             log_once(f"fallback:{reason}", f"TokenWeave: stock TransformerLayer path ({reason})")
+            if handoff is not None:
+                handoff.wait()  # the stock path reads the residual on the current stream
             return super().forward(hidden_states, *args, **kwargs)
         if args:
             raise TypeError("TokenWeaveTransformerLayer takes the layer's arguments by keyword")
@@ -254,8 +256,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return None
         if handoff.halves == halves:
             return handoff.events
-        for event in handoff.events:
-            SideStream.wait(event)
+        handoff.wait()
         return (None,) * len(halves)
 
     def _input_norm(self, x: torch.Tensor, normed: torch.Tensor, sp: bool) -> None:

@@ -106,6 +106,11 @@ class Handoff:
     halves: tuple[Half, ...]
     events: tuple[torch.cuda.Event | None, ...]
 
+    def wait(self) -> None:
+        """The current stream waits until the hand-off's residual and normed rows are written."""
+        for event in self.events:
+            SideStream.wait(event)
+
 
 class WeaveChain:
     """State shared by the TokenWeave layers of one decoder block.
@@ -146,5 +151,4 @@ class WeaveChain:
         """Wait (on the current stream) for a hand-off nobody claimed."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            for event in pending.events:
-                SideStream.wait(event)
+            pending.wait()
