@@ -30,7 +30,7 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
     stock = build_gpt(stock_cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), 1024, 4096)
     cfg = llama_config(shape, layers, world, sequence_parallel=sp, **common)
     spec = get_gpt_decoder_block_tokenweave_spec(
-        cfg, False, TokenWeaveConfig(max_tokens=8192, **tw_kwargs)
+        cfg, False, TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs)
     )
     tw = build_gpt(cfg, spec, 1024, 4096)
     stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
@@ -111,7 +111,7 @@ def _graph(rank: int, world: int) -> list[float]:
         cfg = llama_config(shape, 3, world, sequence_parallel=sp, bf16=True,
                            params_dtype=torch.bfloat16)
         spec = get_gpt_decoder_block_tokenweave_spec(
-            cfg, False, TokenWeaveConfig(split_threshold=256, max_tokens=4096)
+            cfg, False, TokenWeaveConfig(split_threshold=256, max_tokens=4096, tuning_table="none")
         )
         block = TransformerBlock(cfg, spec).cuda().bfloat16().eval()
         rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
