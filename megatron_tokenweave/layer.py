@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_tokenweave import moe
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.linears import Weave, WovenLinearMixin
 from megatron_tokenweave.log import log_once
@@ -107,14 +108,18 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return "fp8/fp4 GEMMs are not supported"
         if not isinstance(self.cross_attention, IdentityOp):
             return "cross-attention layers are not supported"
-        linears = (
+        linears = [
             getattr(self.self_attention, "linear_qkv", None),
             getattr(self.self_attention, "linear_proj", None),
-            getattr(self.mlp, "linear_fc1", None),
-            getattr(self.mlp, "linear_fc2", None),
-        )
+        ]
+        if moe.is_moe(self.mlp):
+            reason = moe.unsupported_reason(self.mlp)
+            if reason is not None:
+                return reason
+        else:
+            linears += [getattr(self.mlp, name, None) for name in ("linear_fc1", "linear_fc2")]
         if not all(isinstance(m, WovenLinearMixin) for m in linears):
-            return "the MLP/attention linears are not TokenWeave linears (e.g. an MoE layer)"
+            return "the attention/MLP linears are not TokenWeave linears"
         if hidden_states.dim() != 3 or not hidden_states.is_contiguous():
             return "hidden_states is not a contiguous [s, b, h] tensor"
         return None
@@ -214,24 +219,10 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 else None
             )
             mlp_events: list = []
-            mlp = self.mlp
-            try:
-                for i, half in enumerate(halves):
-                    side.wait(attn_events[i])
-                    whole = (Half(0, half.rows),)
-                    mlp.linear_fc1.weave = Weave(chunks, whole)
-                    mlp.linear_fc2.weave = Weave(
-                        chunks,
-                        whole,
-                        partials=(partials[i],),
-                        add_bias=rank == 0,
-                        after=lambda _, i=i: launch(
-                            i, residual, next_norm, plan.comm_ctas_mlp, mlp_events
-                        ),
-                    )
-                    mlp(half.of(normed))
-            finally:
-                mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
+            for i, half in enumerate(halves):
+                side.wait(attn_events[i])
+                self._mlp_half(half.of(normed), partials[i], rank == 0)
+                launch(i, residual, next_norm, plan.comm_ctas_mlp, mlp_events)
 
         defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs(x)
         if not defer:
@@ -241,6 +232,19 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         if next_norm is not None:
             self._chain.pending = Handoff(out, normed, halves, tuple(mlp_events))
         return out
+
+    def _mlp_half(self, x: torch.Tensor, partial: torch.Tensor, add_bias: bool) -> None:
+        """partial[C, r, H] <- this rank's un-reduced MLP output of the rows x[C, r, H]."""
+        if moe.is_moe(self.mlp):
+            moe.moe_partial(self.mlp, x, partial)
+            return
+        mlp, whole = self.mlp, (Half(0, x.shape[1]),)
+        mlp.linear_fc1.weave = Weave(x.shape[0], whole)
+        mlp.linear_fc2.weave = Weave(x.shape[0], whole, partials=(partial,), add_bias=add_bias)
+        try:
+            mlp(x)
+        finally:
+            mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
 
     def _layer_graphs(self, x: torch.Tensor) -> bool:
         """Capturing a CUDA graph of this layer alone (Megatron's own cuda_graph_impl captures per

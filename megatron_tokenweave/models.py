@@ -13,19 +13,28 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's shape: Llama-style (RMSNorm, SwiGLU, GQA, RoPE, no biases)."""
+    """A decoder's shape: Llama-style (RMSNorm, SwiGLU, GQA, RoPE, no biases), optionally with
+    QKV biases (Qwen2.5) or a mixture of `experts` experts of width `ffn`, top-`topk` (Mixtral)."""
 
     hidden: int
     ffn: int
     heads: int
     kv_groups: int
     vocab: int = 128256
+    qkv_bias: bool = False
+    experts: int = 0
+    topk: int = 2
+
+    def spec_kwargs(self) -> dict[str, Any]:
+        """Arguments of Megatron's layer-spec functions this shape needs."""
+        return {"num_experts": self.experts} if self.experts else {}
 
 
 SHAPES = {
     "llama-3-8b": Shape(4096, 14336, 32, 8),
     "llama-3.3-70b": Shape(8192, 28672, 64, 8),
-    "qwen2.5-72b": Shape(8192, 29568, 64, 8, vocab=152064),
+    "qwen2.5-72b": Shape(8192, 29568, 64, 8, vocab=152064, qkv_bias=True),
+    "mixtral-8x7b": Shape(4096, 14336, 32, 8, vocab=32000, experts=8, topk=2),
     "tiny": Shape(64, 160, 4, 2, vocab=256),
 }
 
@@ -53,6 +62,15 @@ def llama_config(shape: Shape, num_layers: int, tp: int, **overrides: Any) -> Tr
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+    if shape.qkv_bias:
+        kwargs["add_qkv_bias"] = True
+    if shape.experts:
+        kwargs.update(
+            num_moe_experts=shape.experts,
+            moe_router_topk=shape.topk,
+            moe_ffn_hidden_size=shape.ffn,
+            moe_token_dispatcher_type="allgather",  # the dispatcher TokenWeave weaves
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -71,7 +71,7 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> dict
     cfg = llama_config(shape, args.layers, world, sequence_parallel=args.sequence_parallel,
                        bf16=True, params_dtype=dtype)
     base = TokenWeaveConfig(max_tokens=max(args.tokens), tuning_table="none")
-    spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base)
+    spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base, **shape.spec_kwargs())
     block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
     rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
     plans = candidates()

@@ -100,15 +100,16 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     initialize_model_parallel(world)
     use_te = te_available() and not args.local
     stock_name = "te" if use_te else "local"
-    stock_spec = (
-        get_gpt_layer_with_transformer_engine_spec()
-        if use_te
-        else get_gpt_layer_local_spec(normalization="RMSNorm")
-    )
     base_cfg = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=max(args.tokens)))
     rows: list[dict] = []
     for model in args.models:
         shape = SHAPES[model]
+        extra = shape.spec_kwargs()
+        stock_spec = (
+            get_gpt_layer_with_transformer_engine_spec(**extra)
+            if use_te
+            else get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
+        )
         common = dict(bf16=True, params_dtype=torch.bfloat16)
         cfg = llama_config(shape, args.layers, world, **common)
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
@@ -117,7 +118,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         for name, (sp, overrides) in VARIANTS.items():
             block_cfg = cfg_sp if sp else cfg
             tw_cfg = dataclasses.replace(base_cfg, **overrides)
-            spec = get_gpt_decoder_block_tokenweave_spec(block_cfg, use_te, tw_cfg)
+            spec = get_gpt_decoder_block_tokenweave_spec(block_cfg, use_te, tw_cfg, **extra)
             blocks[name] = TransformerBlock(block_cfg, attn(spec))
         state = blocks[stock_name].state_dict()
         for name, block in blocks.items():

@@ -47,7 +47,9 @@ def _profile(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
                        params_dtype=torch.bfloat16)
     tw = TokenWeaveConfig(max_tokens=args.tokens, split_threshold=0, tuning_table="none")
     tw = dataclasses.replace(tw, comm_ctas_attn=args.ctas, comm_ctas_mlp=args.ctas)
-    spec = get_gpt_decoder_block_tokenweave_spec(cfg, te_available(), tw)
+    spec = get_gpt_decoder_block_tokenweave_spec(
+        cfg, te_available(), tw, **shape.spec_kwargs()
+    )
     block = TransformerBlock(cfg, spec if te_available() else with_sdpa(spec))
     block = block.cuda().bfloat16().eval()
     rpe = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)(args.tokens)
