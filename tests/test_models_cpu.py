@@ -21,30 +21,43 @@ SPLIT = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
 LAYERS = 2
 
 
+def _compare(shape, world: int, sp: bool, tokens: torch.Tensor, prepare=None, **kwargs):
+    """Stock local model vs tokenweave model (same weights): (rel. error, fused-op calls)."""
+    stock = build_model("stock", shape, LAYERS, world, **kwargs)
+    randomize_norms_(stock, seed=3)
+    if prepare is not None:
+        prepare(stock)
+    kind = "tokenweave_block" if sp else "tokenweave"
+    tw = build_model(kind, shape, LAYERS, world, SPLIT, sequence_parallel=sp, **kwargs)
+    tw.load_state_dict(stock.state_dict(), strict=True)
+    want = forward(stock, tokens)
+    with record_fused_calls() as calls:
+        got = forward(tw, tokens)
+    return rel_err(got, want), len(calls)
+
+
+def _random_qkv_bias_(rank: int):
+    def prepare(model: torch.nn.Module) -> None:
+        """QKV biases start at zero: make them matter (TP-sharded, so per rank)."""
+        gen = torch.Generator().manual_seed(rank + 10)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("linear_qkv.bias"):
+                    param.copy_(torch.randn(param.shape, generator=gen))
+
+    return prepare
+
+
 def _qwen(rank: int, world: int) -> list[tuple]:
     setup_tp(world)
-    shape = SHAPES["tiny"]
-    results = []
-    for tied in (False, True):
-        for sp in (False, True):
-            stock = build_model("stock", shape, LAYERS, world, tied=tied, add_qkv_bias=True)
-            randomize_norms_(stock, seed=3)
-            with torch.no_grad():  # QKV biases start at zero: make them matter
-                for name, param in stock.named_parameters():
-                    if name.endswith("linear_qkv.bias"):
-                        param.copy_(torch.randn(param.shape, generator=torch.Generator()
-                                                .manual_seed(rank + 10)))
-            kind = "tokenweave_block" if sp else "tokenweave"
-            tw = build_model(kind, shape, LAYERS, world, SPLIT, tied=tied, add_qkv_bias=True,
-                             sequence_parallel=sp)
-            tw.load_state_dict(stock.state_dict(), strict=True)
-            tokens = torch.randint(0, shape.vocab, (3, 34), generator=torch.Generator()
-                                   .manual_seed(5))
-            want = forward(stock, tokens)
-            with record_fused_calls() as calls:
-                got = forward(tw, tokens)
-            results.append((tied, sp, rel_err(got, want), len(calls)))
-    return results
+    tokens = torch.randint(0, SHAPES["tiny"].vocab, (3, 34),
+                           generator=torch.Generator().manual_seed(5))
+    return [
+        (tied, sp, *_compare(SHAPES["tiny"], world, sp, tokens, _random_qkv_bias_(rank),
+                             tied=tied, add_qkv_bias=True))
+        for tied in (False, True)
+        for sp in (False, True)
+    ]
 
 
 def test_qwen_qkv_bias_matches_stock():
@@ -67,27 +80,15 @@ def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
 
 def _moe(rank: int, world: int) -> list[tuple]:
     setup_tp(world)
-    shape = SHAPES["tiny"]
-    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
-    spec = {"num_experts": 4}
-    results = []
-    for dispatcher in ("allgather",):  # alltoall builds CUDA streams: GPU only
-        for sp in (False, True):
-            stock = build_model("stock", shape, LAYERS, world, spec_kwargs=spec,
-                                moe_token_dispatcher_type=dispatcher, **moe)
-            randomize_norms_(stock, seed=4)
-            _same_router_on_every_rank_(stock)
-            kind = "tokenweave_block" if sp else "tokenweave"
-            tw = build_model(kind, shape, LAYERS, world, SPLIT, spec_kwargs=spec,
-                             moe_token_dispatcher_type=dispatcher, sequence_parallel=sp, **moe)
-            tw.load_state_dict(stock.state_dict(), strict=True)
-            tokens = torch.randint(0, shape.vocab, (2, 18),
-                                   generator=torch.Generator().manual_seed(6))
-            want = forward(stock, tokens)
-            with record_fused_calls() as calls:
-                got = forward(tw, tokens)
-            results.append((dispatcher, sp, rel_err(got, want), len(calls)))
-    return results
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
+               moe_token_dispatcher_type="allgather")  # alltoall builds CUDA streams: GPU only
+    tokens = torch.randint(0, SHAPES["tiny"].vocab, (2, 18),
+                           generator=torch.Generator().manual_seed(6))
+    return [
+        ("allgather", sp, *_compare(SHAPES["tiny"], world, sp, tokens, _same_router_on_every_rank_,
+                                    spec_kwargs={"num_experts": 4}, **moe))
+        for sp in (False, True)
+    ]
 
 
 def test_moe_allgather_is_woven():

@@ -72,3 +72,32 @@ def test_malformed_table_raises(tmp_path):
 def test_table_key_of_cpu():
     key = TableKey.of(torch.device("cpu"), 2, 64, torch.float32)
     assert key == TableKey("cpu", 2, 64, "float32")
+
+
+def _layer_follows_table(rank: int, world: int, table: str) -> list[tuple[int, int]]:
+    from _dist import build_model, forward, record_fused_calls, setup_tp
+
+    from megatron_tokenweave.models import SHAPES
+
+    setup_tp(world)
+    cfg = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table=table)
+    model = build_model("tokenweave", SHAPES["tiny"], 2, world, cfg)
+    counts = []
+    for seq in (32, 128):
+        tokens = torch.randint(0, SHAPES["tiny"].vocab, (1, seq))
+        with record_fused_calls() as calls:
+            forward(model, tokens)
+        counts.append((seq, len(calls)))
+    return counts
+
+
+def test_layer_plans_from_the_table(tmp_path):
+    """A table for this machine (cpu, TP=2, hidden 64, fp32) overrides split_threshold=0: below
+    64 tokens one fused op per row-parallel linear, from 64 on two (one per half)."""
+    from _dist import run_ranks
+
+    key = TableKey("cpu", 2, 64, "float32")
+    table = _write(tmp_path, key=key, entries=[{"min_tokens": 0, "split": False},
+                                               {"min_tokens": 64, "split": True}])
+    for counts in run_ranks(_layer_follows_table, table):
+        assert counts == [(32, 2 * 2), (128, 2 * 2 * 2)]
