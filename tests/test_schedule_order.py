@@ -1,0 +1,145 @@
+"""The woven schedule's stream dependencies, checked on CPU by recording them.
+
+The side stream is replaced by a recorder (fork/record/wait become log entries), the GEMMs and the
+fused op log themselves, and the test asserts the dependencies the GPU relies on:
+- a half's fused op after attention is queued right after that half's proj GEMM, on the side
+  stream, and the MLP of that half waits for its event before its first GEMM;
+- layer i's post-MLP op of half h is recorded on the side stream and layer i+1's qkv GEMM of half h
+  waits for exactly that event (the cross-layer deferral);
+- the last layer of the block adds without a norm and the current stream waits for all its
+  events before the block returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+from _dist import build_model, forward, run_ranks, setup_tp
+
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.models import SHAPES
+
+LAYERS = 3
+
+
+def _record(rank: int, world: int) -> list[tuple]:
+    import megatron_tokenweave.layer as layer_mod
+    import megatron_tokenweave.linears as linears_mod
+    from megatron_tokenweave.schedule import SideStream
+
+    setup_tp(world)
+    cfg = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
+    model = build_model("tokenweave_block", SHAPES["tiny"], LAYERS, world, cfg,
+                        sequence_parallel=True)
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
+    log: list[tuple] = []
+    counter = itertools.count()
+    state = {"side": False}
+
+    @contextlib.contextmanager
+    def run(self):
+        state["side"] = True
+        try:
+            yield
+        finally:
+            state["side"] = False
+
+    def record(self):
+        event = f"e{next(counter)}"
+        log.append(("record", event))
+        return event
+
+    def wait(event):
+        if event is not None:
+            log.append(("wait", event))
+
+    def gemm(x, weight, out, original=linears_mod._gemm_into):
+        log.append(("gemm", names[weight.data_ptr()], out.shape[1]))
+        return original(x, weight, out)
+
+    def fused(ws, partial, residual, weight, *args, original=layer_mod.fused_allreduce_rmsnorm):
+        stream = "side" if state["side"] else "main"
+        log.append(("fused", stream, weight is None, partial.shape[1]))
+        return original(ws, partial, residual, weight, *args)
+
+    patches = [
+        (SideStream, "run", run), (SideStream, "record", record),
+        (SideStream, "wait", staticmethod(wait)), (linears_mod, "_gemm_into", gemm),
+        (layer_mod, "fused_allreduce_rmsnorm", fused),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    original_init = SideStream.__init__
+
+    def init(self, device):
+        original_init(self, device)
+        self.enabled = True  # take the GPU code path; the recorder stands in for CUDA
+
+    patches.append((SideStream, "__init__", init))
+    saved.append((SideStream, "__init__", original_init))
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        for i, layer in enumerate(model.decoder.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: log.append(("begin", i)))
+            layer.register_forward_hook(lambda *_, i=i: log.append(("end", i)))
+        forward(model, torch.randint(0, SHAPES["tiny"].vocab, (1, 40)))
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+    return log
+
+
+def _split_layers(log):
+    layers, current = [], None
+    for entry in log:
+        if entry[0] == "begin":
+            current = []
+        elif entry[0] == "end":
+            layers.append(current)
+            current = None
+        elif current is not None:
+            current.append(entry)
+    return layers
+
+
+def test_stream_dependencies_of_the_woven_schedule():
+    log = run_ranks(_record)[0]
+    layers = _split_layers(log)
+    assert len(layers) == LAYERS
+    handed_off: list[str] | None = None
+    for index, entries in enumerate(layers):
+        last = index == LAYERS - 1
+        fused = [i for i, e in enumerate(entries) if e[0] == "fused"]
+        assert len(fused) == 4, entries  # attention A, B; MLP A, B
+        assert all(entries[i][1] == "side" for i in fused)
+        events = [entries[i + 1][1] for i in fused]  # each op is followed by its event
+        assert all(entries[i + 1][0] == "record" for i in fused)
+        attn_events, mlp_events = events[:2], events[2:]
+        gemms = [(i, e[1]) for i, e in enumerate(entries) if e[0] == "gemm"]
+
+        def first(kind, after=-1, entries=entries, gemms=gemms):
+            return next(i for i, name in gemms if kind in name and i > after)
+
+        # qkv of each half waits for the previous layer's post-MLP event of that half.
+        qkv = [i for i, name in gemms if "linear_qkv" in name]
+        assert len(qkv) == 2
+        if handed_off is not None:
+            for half, gemm_at in enumerate(qkv):
+                waits = [e[1] for e in entries[:gemm_at] if e[0] == "wait"]
+                assert handed_off[half] in waits, (index, half, entries)
+        # a half's attention op is queued right after that half's proj GEMM.
+        proj = [i for i, name in gemms if "linear_proj" in name]
+        assert [entries[i + 1][0] for i in proj] == ["fused", "fused"]
+        # the MLP of a half waits for that half's attention event before its first GEMM.
+        for half in range(2):
+            fc1_at = first("linear_fc1", after=proj[-1] if half == 0 else first("linear_fc2"))
+            waits = [e[1] for e in entries[:fc1_at] if e[0] == "wait"]
+            assert attn_events[half] in waits, (index, half, entries)
+        # post-MLP ops normalize with the next layer's weight; the last layer only adds.
+        assert [entries[i][2] for i in fused[2:]] == [last, last]
+        if last:
+            tail_waits = [e[1] for e in entries[fused[-1]:] if e[0] == "wait"]
+            assert set(mlp_events) <= set(tail_waits), entries
+        handed_off = mlp_events
