@@ -149,6 +149,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         chunks, n = (world if sp else 1), s_local * batch
         ws = get_workspace(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
         ws.check_capacity(chunks * n)
+        if handoff is None:  # once per forward of a block: its first layer
+            ws.raise_if_kernel_failed()
         plan = get_policy(cfg, TableKey.of(x.device, world, hidden, x.dtype)).plan(chunks * n)
         halves = plan_halves(n, chunks, cfg, plan.split)
         side = self._chain.side_stream(x.device)

@@ -85,6 +85,25 @@ class Workspace:
             flat = torch.empty(2 * numel, dtype=dtype, device=device)
         self.partial = flat[:numel].view(max_tokens, hidden)
         self.normed = flat[numel:].view(max_tokens, hidden)
+        # The kernel's error words, copied here without a sync (see raise_if_kernel_failed).
+        self._error_host = (
+            torch.zeros(4, dtype=torch.int32, pin_memory=True) if self.symmetric else None
+        )
+
+    def raise_if_kernel_failed(self) -> None:
+        """Raise if a kernel of an earlier forward gave up waiting for a peer rank.
+
+        Never synchronizes: each call reads the error words that an earlier call asked to be
+        copied to pinned host memory, then queues the next copy. A timeout therefore surfaces one
+        forward late, as a RuntimeError instead of silently wrong results. Not checked while a
+        CUDA graph is being captured (use SymmetricBuffer.check_error after replays).
+        """
+        if self.symmetric is None or torch.cuda.is_current_stream_capturing():
+            return
+        message = self.symmetric.describe_error(*self._error_host.tolist())
+        if message is not None:
+            raise RuntimeError(message)
+        self._error_host.copy_(self.symmetric.error_words(), non_blocking=True)
 
     def is_buffer_size_sufficient(self, rows: int) -> bool:
         return rows <= self.max_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from megatron_tokenweave.kernels.policy import (
     MULTIMEM,
@@ -14,6 +15,7 @@ from megatron_tokenweave.kernels.policy import (
     multicast_disabled_reason,
     select_backend,
 )
+from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
 from megatron_tokenweave.ops.validate import TokenWeaveInputError
 
 KILL = {
@@ -91,3 +93,32 @@ def test_kernels_import_without_gpu():
 
     if not torch.cuda.is_available():
         assert kernels.is_available() is False
+
+
+class _StubBuffer:
+    """Stands in for SymmetricBuffer: device error words are a CPU tensor here."""
+
+    rank, timeout_s = 0, 10.0
+
+    def __init__(self):
+        self.words = torch.zeros(4, dtype=torch.int32)
+
+    def error_words(self):
+        return self.words
+
+    describe_error = SymmetricBuffer.describe_error
+
+
+def test_kernel_timeout_surfaces_on_a_later_forward_without_a_sync(monkeypatch):
+    """raise_if_kernel_failed reads the words an earlier call copied, then queues a new copy:
+    a timeout recorded by a kernel raises (one forward late) instead of going unnoticed."""
+    from megatron_tokenweave.workspace import Workspace
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ws = object.__new__(Workspace)
+    ws.symmetric, ws._error_host = _StubBuffer(), torch.zeros(4, dtype=torch.int32)
+    ws.raise_if_kernel_failed()  # nothing recorded yet
+    ws.symmetric.words.copy_(torch.tensor([1, 1, 3, 42]))  # a kernel times out (start barrier)
+    ws.raise_if_kernel_failed()  # this call only queues the copy of the new words
+    with pytest.raises(RuntimeError, match="peer rank 1 never arrived at the start barrier"):
+        ws.raise_if_kernel_failed()

@@ -116,26 +116,35 @@ class SymmetricBuffer:
         return self.local[offset:offset + n * es].view(dtype).view(shape)
 
     # -- errors -------------------------------------------------------------------------------
+    def error_words(self) -> torch.Tensor:
+        """The device's (code, peer, cta, epoch) error words (int32 view, no copy)."""
+        # SignalPad: start[128][8], end[128][8], epoch[128], error[4] (uint32 words)
+        base = 128 * 8 * 2 + 128
+        return self.signal.view(torch.int32)[base:base + 4]
+
     def error(self) -> tuple[int, int, int, int]:
         """(code, peer, cta, epoch) recorded by a kernel that timed out; syncs the device."""
         torch.cuda.synchronize(self.device)
-        words = self.signal.view(torch.int32)
-        # SignalPad: start[128][8], end[128][8], epoch[128], error[4] (uint32 words)
-        base = 128 * 8 * 2 + 128
-        code, peer, cta, epoch = (int(x) for x in words[base:base + 4].cpu().tolist())
+        code, peer, cta, epoch = (int(x) for x in self.error_words().cpu().tolist())
         return code, peer, cta, epoch
+
+    def describe_error(self, code: int, peer: int, cta: int, epoch: int) -> str | None:
+        """The message for error words read from the device (None when there is no error)."""
+        if not code:
+            return None
+        return (
+            f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
+            f"{_ERRORS.get(code, '?')} barrier (CTA {cta}, epoch {epoch}, timeout "
+            f"{self.timeout_s} s); the ranks' calls diverged or a peer died"
+        )
 
     def check_error(self) -> None:
         """Raise RuntimeError if a kernel on this rank gave up waiting for a peer. Syncs: for tests
         and debugging, not for the hot path. After an error the buffer is unusable (kernels return
         at once); create a new one."""
-        code, peer, cta, epoch = self.error()
-        if code:
-            raise RuntimeError(
-                f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
-                f"{_ERRORS.get(code, '?')} barrier (CTA {cta}, epoch {epoch}, timeout "
-                f"{self.timeout_s} s); the ranks' calls diverged or a peer died"
-            )
+        message = self.describe_error(*self.error())
+        if message is not None:
+            raise RuntimeError(message)
 
     # -- lifetime -----------------------------------------------------------------------------
     def _release(self) -> None:
