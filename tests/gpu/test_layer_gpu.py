@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(1, 1), (7, 3), (512, 1), (1024, 1), (1031, 1), (2048, 2)]
 
 
-def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
+def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None):
     """(stock bf16, tokenweave bf16, stock fp32 with the same weights: the yardstick)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -24,24 +24,36 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2):
     from megatron_tokenweave.models import Shape, build_gpt, llama_config
     from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec
 
-    shape = Shape(1024, 2816, 8, 2, vocab=1024)
+    shape = shape or Shape(1024, 2816, 8, 2, vocab=1024)
+    extra = shape.spec_kwargs()
+    stock_spec = get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
     common = dict(bf16=True, params_dtype=torch.bfloat16)
     stock_cfg = llama_config(shape, layers, world, **common)
-    stock = build_gpt(stock_cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), 1024, 4096)
+    stock = build_gpt(stock_cfg, stock_spec, shape.vocab, 4096)
+    _same_router_on_every_rank_(stock)
     cfg = llama_config(shape, layers, world, sequence_parallel=sp, **common)
     spec = get_gpt_decoder_block_tokenweave_spec(
-        cfg, False, TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs)
+        cfg, False, TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs), **extra
     )
-    tw = build_gpt(cfg, spec, 1024, 4096)
+    tw = build_gpt(cfg, spec, shape.vocab, 4096)
     stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
     tw.load_state_dict(stock.state_dict(), strict=True)
-    golden = build_gpt(llama_config(shape, layers, world), get_gpt_layer_local_spec(
-        normalization="RMSNorm"), 1024, 4096).cuda()
+    golden = build_gpt(llama_config(shape, layers, world), stock_spec, shape.vocab, 4096).cuda()
     golden.load_state_dict({
         k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         for k, v in stock.state_dict().items()
     }, strict=True)
     return stock, tw, golden
+
+
+def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
+    """MoE router weights are replicated across TP ranks in any checkpoint; make the init so."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".router." in name:
+                dist.broadcast(param.data, src=0)
 
 
 def _parity(rank: int, world: int) -> list[tuple]:
@@ -93,6 +105,39 @@ def test_logits_match_stock_spec_bf16():
         assert calls >= 4, f"{case}: the fused op ran {calls} times"
     worst_stock, worst_tw = max(r[5] for r in results), max(r[6] for r in results)
     print(f"max error vs fp32: stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
+
+
+def _families(rank: int, world: int) -> list[tuple]:
+    """Qwen2.5-style QKV bias and a Mixtral-style MoE (all-gather dispatcher), split forced."""
+    from megatron_tokenweave.launch import initialize_model_parallel
+    from megatron_tokenweave.models import Shape
+
+    initialize_model_parallel(world)
+    shapes = {
+        "qwen": Shape(1024, 2816, 8, 2, vocab=1024, qkv_bias=True),
+        "mixtral": Shape(1024, 1408, 8, 2, vocab=1024, experts=4, topk=2),
+    }
+    results = []
+    for family, shape in shapes.items():
+        for sp in (False, True):
+            stock, tw, golden = _build(world, sp, {"split_threshold": 0}, shape=shape)
+            tokens = torch.randint(0, 1024, (2, 1024),
+                                   generator=torch.Generator().manual_seed(3)).cuda()
+            pos = torch.arange(1024, device="cuda").unsqueeze(0).expand(2, -1)
+            with torch.no_grad():
+                gold = golden(tokens, pos, attention_mask=None).float()
+                ref = stock(tokens, pos, attention_mask=None).float()
+                out = tw(tokens, pos, attention_mask=None).float()
+            results.append((family, sp, ((ref - gold).norm() / gold.norm()).item(),
+                            ((out - gold).norm() / gold.norm()).item()))
+            del stock, tw, golden
+    return results
+
+
+def test_model_families_match_stock_bf16():
+    for family, sp, err_stock, err_tw in spawn(_families, 2)[0]:
+        case = f"{family} sp={sp}: {err_tw:.3e} vs stock {err_stock:.3e}"
+        assert err_tw <= 1.25 * err_stock + 1e-3, case
 
 
 def _graph(rank: int, world: int) -> list[float]:
