@@ -20,7 +20,8 @@ NO_MULTICAST_ENV = {
 }
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +53,7 @@ def spawn(
     os.environ.update(NO_MULTICAST_ENV)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue))
         for r in range(world)

@@ -89,11 +89,6 @@ class SideStream:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-    def join(self) -> None:
-        """The current stream waits for everything queued on the side stream."""
-        if self.enabled:
-            self.wait(self.record())
-
 
 @dataclass
 class Handoff:

@@ -100,7 +100,7 @@ def test_half_of_is_a_view_of_its_rows(chunks, n, offset, rows):
 
 def test_side_stream_on_cpu_is_a_no_op():
     """On CPU the side stream is disabled: run() executes its body inline, record() gives None,
-    wait(None) and join() do nothing."""
+    wait(None) does nothing."""
     side = SideStream(torch.device("cpu"))
     assert side.enabled is False
     x = torch.randn(4, 8)
@@ -109,7 +109,6 @@ def test_side_stream_on_cpu_is_a_no_op():
     assert torch.equal(y, x * 2)
     assert side.record() is None
     SideStream.wait(None)
-    side.join()
 
 
 def _handoff(residual: torch.Tensor) -> Handoff:

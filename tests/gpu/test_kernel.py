@@ -11,13 +11,14 @@ All cases of a test run inside one spawned job (one extension load, one process 
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_tokenweave.launch import free_port
 
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -29,12 +30,6 @@ os.environ.update(NO_MULTICAST_ENV)
 TOKENS = (1, 3, 64, 127, 128, 1000, 1024, 4096, 8192)
 HIDDENS = (4096, 5120, 8192)
 EPS = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpus() -> int:
@@ -270,9 +265,9 @@ def test_kernel_two_gpus():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
     _kernels_or_skip()
-    mp.spawn(_worker_two_gpus, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_worker_two_gpus, args=(2, free_port()), nprocs=2, join=True)
 
 
 def test_kernel_protocol_one_gpu():
     _kernels_or_skip()
-    mp.spawn(_worker_one_gpu, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_worker_one_gpu, args=(2, free_port()), nprocs=2, join=True)

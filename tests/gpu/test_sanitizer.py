@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron_tokenweave.launch import free_port
+
 CASE = os.path.join(os.path.dirname(__file__), "_sanitize_case.py")
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2 or shutil.which("compute-sanitizer") is None,
     reason="needs 2 GPUs and compute-sanitizer",
 )
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
@@ -32,7 +27,7 @@ def test_kernel_is_sanitizer_clean(tool):
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "TOKENWEAVE_KERNEL_TIMEOUT_S": "300"}
     cmd = ["compute-sanitizer", f"--tool={tool}", "--target-processes=all",
-           "--error-exitcode=99", sys.executable, CASE, str(_port())]
+           "--error-exitcode=99", sys.executable, CASE, str(free_port())]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     tail = (proc.stdout + proc.stderr)[-3000:]
     # --error-exitcode: any memcheck error or racecheck hazard makes the exit code 99.
