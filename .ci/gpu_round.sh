@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# One GPU round on the 2-GPU device machine (run from the repo root there, after the wheels of
-# ../shared/device/stage.sh base were received): build, tune, benchmark, test. Results under $OUT.
+# A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
+# were received (../shared/device/stage.sh base te fa4; .dw/serve: flask, quart, pyzmq, ...).
+# Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
+#   tests  build the extension; TE-spec parity, serving tests (engines, servers); e2e benchmark
+#   bench  block benchmark (TE baselines, four model shapes); the other GPU tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
-out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/logs
+phase=${1:-tests}
+out=${OUT:-/tmp/out}; logs="$out/logs"; mkdir -p "$logs"
 quiet() { grep -v "arn\|DEPRECATED\|func(\|^\s*$" ; }
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | quiet | tee "/tmp/logs/$name.log" | tail -${TAIL:-12}; }
-step build 240 python -m pip install -v --no-build-isolation --no-deps -e .
-python -c "import megatron_tokenweave._C" && echo "extension built by setup.py" || echo "no _C: JIT"
-step tune70 150 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 100
-step tune8 120 python -m megatron_tokenweave.tune --model llama-3-8b --budget-s 80
-TAIL=24 step block 240 python -m megatron_tokenweave.bench block --iters 15 --out "$out/block_tp2.json"
-step layer_tests 200 python -m pytest -q -s tests/gpu/test_layer_gpu.py
-step timeline 90 python -m megatron_tokenweave.bench timeline --out "$out/timeline_tp2.png"
-step sanitizer 200 python -m pytest -q tests/gpu/test_sanitizer.py
-tar -C /tmp -czf "$out/tables.tgz" twcache
-tar -C /tmp -czf "$out/logs.tgz" logs
+step() {
+  local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))"
+  timeout "$limit" "$@" 2>&1 | quiet > "$logs/$name.log"; local rc=${PIPESTATUS[0]}
+  tail -"${TAIL:-12}" "$logs/$name.log"; echo "-- $name rc=$rc"; return "$rc"
+}
+python -c "import torch, megatron_tokenweave._C" 2>/dev/null \
+  || step build 200 python -m pip install -v --no-build-isolation --no-deps -e .
+python -c "import torch, megatron_tokenweave._C; print('extension: built by setup.py')" 2>&1 | tail -1
+python -c "import transformer_engine.pytorch as te; print('TE', te.__version__)" 2>&1 | tail -1
+case "$phase" in
+  tests)
+    TAIL=25 step te_parity 110 python -m pytest -x -q -s tests/gpu/test_layer_gpu.py -k te_spec
+    TAIL=30 step serving 230 python -m pytest -q -s -rs tests/gpu/test_serving_gpu.py
+    TAIL=12 step e2e 190 python -m megatron_tokenweave.bench e2e --reps 3 --throughput-reps 1 \
+      --out "$out/e2e_tp2.json"
+    ;;
+  bench)
+    TAIL=40 step block 330 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
+      --models llama-3.3-70b llama-3-8b qwen2.5-72b mixtral-8x7b --out "$out/block_tp2.json"
+    TAIL=20 step layer_tests 140 python -m pytest -q -s tests/gpu/test_layer_gpu.py -k "not te_spec"
+    step kernel_tests 90 python -m pytest -q tests/gpu/test_kernel.py
+    ;;
+esac
+exit 0

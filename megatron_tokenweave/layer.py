@@ -57,12 +57,19 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         self._validated = False  # fused-op arguments checked once, on the first woven forward
 
     def _accept_stock_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
-        """Load TE-spec state dicts, whose norm weights live in the fused TE linears."""
+        """Load TE-spec state dicts, whose norm weights live in the fused TE linears. Our
+        separate TE norms carry an `_extra_state` (quantization metadata) that such a state
+        dict cannot have: they keep their own."""
         for ours, theirs in self.submodules_config.sharded_state_dict_keys_map.items():
             for suffix in ("weight", "bias"):
                 stock_key, our_key = prefix + theirs + suffix, prefix + ours + suffix
                 if stock_key in state_dict and our_key not in state_dict:
                     state_dict[our_key] = state_dict.pop(stock_key)
+            extra_key = prefix + ours + "_extra_state"
+            module = self.get_submodule(ours.rstrip("."))
+            has_extra = type(module).get_extra_state is not torch.nn.Module.get_extra_state
+            if has_extra and extra_key not in state_dict and prefix + ours + "weight" in state_dict:
+                state_dict[extra_key] = module.get_extra_state()
 
     # ----------------------------------------------------------------- construction
     def _join_chain(self) -> WeaveChain:

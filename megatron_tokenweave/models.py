@@ -88,3 +88,41 @@ def build_gpt(
         share_embeddings_and_output_weights=tied,
     )
     return model.eval()
+
+
+def stock_and_tokenweave(
+    shape: Shape,
+    num_layers: int,
+    tp: int,
+    tokenweave_config: Any = None,
+    use_te: bool | None = None,
+    max_seq: int = 4096,
+    **config_overrides: Any,
+) -> tuple[GPTModel, GPTModel]:
+    """(stock, tokenweave) GPTModels of `shape` with the same (random) weights: Megatron's TE
+    layer spec and the TokenWeave TE flavour when `use_te` (default: when TE imports), else the
+    local ones. On a GPU both are bf16 CUDA models; on a CPU-only machine fp32 CPU models."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+    from megatron_tokenweave.spec import get_gpt_layer_tokenweave_spec, te_available
+
+    gpu = torch.cuda.is_available()
+    use_te = te_available() if use_te is None else use_te
+    if gpu:
+        config_overrides = dict(bf16=True, params_dtype=torch.bfloat16, **config_overrides)
+    extra = shape.spec_kwargs()
+    stock_spec = (get_gpt_layer_with_transformer_engine_spec(**extra) if use_te
+                  else get_gpt_layer_local_spec(normalization="RMSNorm", **extra))
+    tw_spec = get_gpt_layer_tokenweave_spec(use_te, tokenweave_config, **extra)
+    with cpu_device_scope():
+        config = llama_config(shape, num_layers, tp, **config_overrides)
+        stock = build_gpt(config, stock_spec, shape.vocab, max_seq)
+        woven = build_gpt(config, tw_spec, shape.vocab, max_seq)
+    if gpu:
+        stock, woven = stock.cuda(), woven.cuda()
+    woven.load_state_dict(stock.state_dict(), strict=True)
+    return stock, woven

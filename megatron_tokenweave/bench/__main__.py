@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-NAMES = ("kernel", "block", "timeline")
+NAMES = ("kernel", "block", "timeline", "e2e")
 
 
 def main() -> None:

@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
-import sys
 from collections.abc import Iterator
 
 import torch
 
+from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES, llama_config
 
@@ -163,10 +162,12 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                         res = interleaved_medians(cands, iters=args.iters, warmup=args.warmup)
                         med.update({(k, "graph"): v for k, v in res.items()})
                         del cands
-                for (impl, mode), us in med.items():
-                    rows.append(dict(model=model, impl=impl, mode=mode, tokens=tokens,
-                                     batch=batch, tp=world, us=round(us, 1)))
-                if rank == 0:
+                new = [dict(model=model, impl=impl, mode=mode, tokens=tokens, batch=batch,
+                            tp=world, us=round(us, 1)) for (impl, mode), us in med.items()]
+                rows += new
+                if rank == 0:  # kept as measured, should a later case fail
+                    with open(args.out + ".rows.jsonl", "a") as f:
+                        f.writelines(json.dumps(row) + "\n" for row in new)
                     print(f"{model} T={tokens} b={batch}: " + "  ".join(
                         f"{k}/{m}={v:.0f}us" for (k, m), v in med.items()), flush=True)
         del blocks
@@ -224,16 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the block benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]
-    result = {
-        "gpu": torch.cuda.get_device_name(0),
-        "date": datetime.date.today().isoformat(),
-        "command": "python -m megatron_tokenweave.bench block " + " ".join(argv or sys.argv[2:]),
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    _plot(result, args.out.replace(".json", ".png"))
-    print(f"wrote {args.out}")
+    write_result("block", argv, rows, args.out, _plot)
 
 
 if __name__ == "__main__":

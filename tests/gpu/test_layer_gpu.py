@@ -16,9 +16,13 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(1, 1), (7, 3), (512, 1), (1024, 1), (1031, 1), (2048, 2)]
 
 
-def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None):
-    """(stock bf16, tokenweave bf16, stock fp32 with the same weights: the yardstick)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None, te: bool = False):
+    """(stock bf16, tokenweave bf16, stock fp32 with the same weights: the yardstick); on
+    Megatron's TE spec and the TokenWeave TE flavour when `te`, else the local ones."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.models import Shape, build_gpt, llama_config
@@ -26,14 +30,15 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None):
 
     shape = shape or Shape(1024, 2816, 8, 2, vocab=1024)
     extra = shape.spec_kwargs()
-    stock_spec = get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
+    stock_spec = (get_gpt_layer_with_transformer_engine_spec(**extra) if te
+                  else get_gpt_layer_local_spec(normalization="RMSNorm", **extra))
     common = dict(bf16=True, params_dtype=torch.bfloat16)
     stock_cfg = llama_config(shape, layers, world, **common)
     stock = build_gpt(stock_cfg, stock_spec, shape.vocab, 4096)
     _same_router_on_every_rank_(stock)
     cfg = llama_config(shape, layers, world, sequence_parallel=sp, **common)
     spec = get_gpt_decoder_block_tokenweave_spec(
-        cfg, False, TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs), **extra
+        cfg, te, TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs), **extra
     )
     tw = build_gpt(cfg, spec, shape.vocab, 4096)
     stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
@@ -56,7 +61,7 @@ def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
                 dist.broadcast(param.data, src=0)
 
 
-def _parity(rank: int, world: int) -> list[tuple]:
+def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
     import megatron_tokenweave.layer as layer_mod
     from megatron_tokenweave.launch import initialize_model_parallel
 
@@ -71,9 +76,9 @@ def _parity(rank: int, world: int) -> list[tuple]:
     layer_mod.fused_allreduce_rmsnorm = counting
     results = []
     for sp in (False, True):
-        for backend in ("kernel", "reference"):
+        for backend in ("kernel",) if te else ("kernel", "reference"):
             for split in ({"split_threshold": 0}, {}):
-                stock, tw, golden = _build(world, sp, {"backend": backend, **split})
+                stock, tw, golden = _build(world, sp, {"backend": backend, **split}, te=te)
                 for seq, batch in SHAPES:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
@@ -97,14 +102,27 @@ def _parity(rank: int, world: int) -> list[tuple]:
 def test_logits_match_stock_spec_bf16():
     """Within bf16 rounding: the tokenweave model's error against an fp32 run of the same weights
     is no larger than the stock bf16 model's own (plus a small slack)."""
-    results = spawn(_parity, 2)[0]
+    _check_parity(spawn(_parity, 2)[0], "local")
+
+
+def _check_parity(results: list[tuple], stock: str) -> None:
     assert results
     for sp, backend, split, seq, batch, err_stock, err_tw, calls in results:
-        case = f"sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
+        case = f"{stock} sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
         assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
         assert calls >= 4, f"{case}: the fused op ran {calls} times"
     worst_stock, worst_tw = max(r[5] for r in results), max(r[6] for r in results)
-    print(f"max error vs fp32: stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
+    print(f"max error vs fp32 ({stock}): stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
+
+
+def test_logits_match_te_spec_bf16():
+    """The same against Megatron's TE spec (TE GEMMs, TE attention, TENorm) and the TokenWeave
+    TE flavour, both layouts, split forced and by policy."""
+    from megatron_tokenweave.spec import te_available
+
+    if not te_available():
+        pytest.skip("TransformerEngine does not import here")
+    _check_parity(spawn(_parity, 2, True)[0], "TE")
 
 
 def _families(rank: int, world: int) -> list[tuple]:

@@ -1,0 +1,210 @@
+"""End-to-end benchmark through Megatron's inference engines: stock spec vs TokenWeave spec.
+
+    python -m megatron_tokenweave.bench e2e --out docs/results/e2e_tp2.json
+
+One 2-rank NCCL run builds a GPTModel with `--layers` layers of a model shape (random weights,
+the shape's real vocabulary, bf16) with Megatron's TE spec (`te`; the local spec, `local`, where
+TE does not import) and the same weights with the TokenWeave spec (`tokenweave`), then measures,
+interleaving the two models:
+  prefill_ms    static engine, batch 1, a prompt of N tokens, one output token: wall time of
+                `engine.generate` (median of --reps)
+  tokens_per_s  --prompts prompts of mixed lengths (--mixed-min..--mixed-max tokens, log-uniform)
+                with --output-tokens greedy tokens each: (prompt + generated tokens) / wall time.
+                Through the dynamic engine (MegatronLLM, chunked prefill of --chunk tokens) where
+                Megatron finds flash-attn, else the static engine (lengths rounded to powers of
+                sqrt(2) and batches of equal-length prompts, so a batch's prefill is one
+                forward). The row says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.launch import spawn
+from megatron_tokenweave.models import SHAPES
+
+
+def _wall(fn: Callable[[], object]) -> float:
+    """Seconds of fn(), GPU work included; every rank starts together."""
+    torch.distributed.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _text(tokens: int, gen: torch.Generator) -> str:
+    """A prompt of exactly `tokens` byte tokens (printable ASCII, never the eod byte)."""
+    return bytes(torch.randint(32, 127, (tokens,), generator=gen).tolist()).decode()
+
+
+def _workload(args: argparse.Namespace, buckets: bool) -> list[str]:
+    """The mixed prompts, the same on every rank. With `buckets` (static engine) the lengths are
+    rounded to powers of sqrt(2), so that prompts of equal length can share a batch."""
+    gen = torch.Generator().manual_seed(7)
+    lo, hi = math.log2(args.mixed_min), math.log2(args.mixed_max)
+    exps = lo + (hi - lo) * torch.rand(args.prompts, generator=gen, dtype=torch.float64)
+    if buckets:
+        exps = torch.round(exps * 2) / 2
+    return [_text(int(round(2 ** float(e))), gen) for e in exps]
+
+
+def _dynamic_available() -> bool:
+    from megatron.core.transformer import attention
+
+    return bool(getattr(attention, "HAVE_FA4", False) or getattr(attention, "HAVE_FA3", False))
+
+
+def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    from megatron_tokenweave.config import TokenWeaveConfig
+    from megatron_tokenweave.launch import initialize_model_parallel
+    from megatron_tokenweave.models import stock_and_tokenweave
+    from megatron_tokenweave.serving.engines import dynamic_llm, greedy, static_engine
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+    from megatron_tokenweave.spec import te_available
+
+    initialize_model_parallel(world)
+    shape = SHAPES[args.model]
+    te = te_available() and not args.local
+    stock_name = "te" if te else "local"
+    max_seq = max(max(args.prefill_tokens), args.mixed_max + args.output_tokens) + 8
+    tw_config = TokenWeaveConfig(max_tokens=max(
+        max(args.prefill_tokens), args.max_batch * args.mixed_max, args.chunk))
+    stock, woven = stock_and_tokenweave(shape, args.layers, world, tw_config, te, max_seq)
+    models = {stock_name: stock, "tokenweave": woven}
+    tokenizer = ByteTokenizer(shape.vocab)
+    rows: list[dict] = []
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    # Prefill latency: static engine, batch 1, one output token.
+    gen = torch.Generator().manual_seed(3)
+    for tokens in args.prefill_tokens:
+        prompt = _text(tokens, gen)
+        engines = {name: static_engine(m, tokenizer, 1, tokens + 2) for name, m in models.items()}
+        samples: dict[str, list[float]] = {name: [] for name in engines}
+        for rep in range(args.reps + 2):
+            for name, engine in engines.items():
+                seconds = _wall(lambda e=engine, p=prompt: e.generate(
+                    prompts=[p], sampling_params=greedy(1)))
+                if rep >= 2:  # two warm-up rounds
+                    samples[name].append(seconds)
+        for name, values in samples.items():
+            rows.append(dict(metric="prefill_ms", impl=name, prompt_tokens=tokens,
+                             value=round(1e3 * statistics.median(values), 3), engine="static"))
+        say(f"prefill {tokens}: " + "  ".join(
+            f"{n}={1e3 * statistics.median(v):.1f}ms" for n, v in samples.items()), flush=True)
+        del engines
+
+    # Throughput: mixed prompt lengths.
+    use_dynamic = args.engine == "dynamic" or (args.engine == "auto" and _dynamic_available())
+    prompts = _workload(args, buckets=not use_dynamic)
+    prompt_tokens = sum(len(p) for p in prompts)
+    runs: dict[str, Callable[[], int]] = {}
+    for name, model in models.items():
+        if use_dynamic:
+            llm = dynamic_llm(model, tokenizer, max_seq, max_requests=args.max_batch,
+                              chunk_tokens=args.chunk, buffer_size_gb=args.kv_gb)
+            token_lists = [list(p.encode()) for p in prompts]
+
+            def run(llm=llm, token_lists=token_lists) -> int:
+                done = llm.generate(token_lists, greedy(args.output_tokens))
+                return sum(len(r.generated_tokens) for r in done)
+        else:
+            by_length: dict[int, list[str]] = {}
+            for p in prompts:
+                by_length.setdefault(len(p), []).append(p)
+            engine = static_engine(model, tokenizer, args.max_batch, max_seq)
+
+            def run(engine=engine, by_length=by_length) -> int:
+                generated = 0
+                for same in by_length.values():
+                    for i in range(0, len(same), args.max_batch):
+                        done = engine.generate(prompts=same[i : i + args.max_batch],
+                                               sampling_params=greedy(args.output_tokens))
+                        generated += sum(len(r.generated_tokens) for r in done)
+                return generated
+        runs[name] = run
+    for run in runs.values():  # warm-up
+        _wall(run)
+    samples = {name: [] for name in runs}
+    generated: dict[str, int] = {}
+    for _ in range(args.throughput_reps):
+        for name, run in runs.items():
+            count = [0]
+            seconds = _wall(lambda run=run, count=count: count.__setitem__(0, run()))
+            generated[name] = count[0]
+            samples[name].append((prompt_tokens + count[0]) / seconds)
+    for name, values in samples.items():
+        rows.append(dict(metric="tokens_per_s", impl=name, prompt_tokens=prompt_tokens,
+                         value=round(statistics.median(values), 1),
+                         engine="dynamic" if use_dynamic else "static", prompts=len(prompts),
+                         generated_tokens=generated[name]))
+    say("throughput: " + "  ".join(f"{n}={statistics.median(v):.0f} tok/s"
+                                   for n, v in samples.items()), flush=True)
+    for row in rows:
+        row.update(model=args.model, layers=args.layers, tp=world)
+    return rows
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    stock = next(r["impl"] for r in rows if r["impl"] != "tokenweave")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    pre = {(r["impl"], r["prompt_tokens"]): r["value"] for r in rows
+           if r["metric"] == "prefill_ms"}
+    lengths = sorted({t for _, t in pre})
+    axes[0].bar([str(t) for t in lengths],
+                [pre[(stock, t)] / pre[("tokenweave", t)] for t in lengths])
+    axes[0].set_title(f"prefill latency, batch 1: {stock} / tokenweave")
+    axes[0].set_xlabel("prompt tokens")
+    tput = {r["impl"]: r for r in rows if r["metric"] == "tokens_per_s"}
+    axes[1].bar(list(tput), [tput[i]["value"] for i in tput])
+    first = next(iter(tput.values()))
+    axes[1].set_title(f"throughput, {first['prompts']} mixed prompts ({first['engine']} engine)")
+    axes[1].set_ylabel("tokens / s")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="TokenWeave end-to-end inference benchmark")
+    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--prefill-tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--engine", choices=["auto", "dynamic", "static"], default="auto")
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--mixed-min", type=int, default=128)
+    parser.add_argument("--mixed-max", type=int, default=4096)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--kv-gb", type=float, default=16.0)
+    parser.add_argument("--throughput-reps", type=int, default=2)
+    parser.add_argument("--local", action="store_true", help="local specs even with TE")
+    parser.add_argument("--out", default="docs/results/e2e_tp2.json")
+    args = parser.parse_args(argv)
+    if torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"the end-to-end benchmark needs {args.tp} GPUs")
+    rows = spawn(_run, args.tp, args)[0]
+    write_result("e2e", argv, rows, args.out, _plot)
+
+
+if __name__ == "__main__":
+    main()

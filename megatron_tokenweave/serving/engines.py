@@ -1,0 +1,67 @@
+"""Megatron-Core inference engines around a GPTModel, built the way Megatron's own examples do.
+
+The model may use any layer spec; nothing here is TokenWeave-specific, which is the point: a
+TokenWeave model is served exactly like a stock one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.inference.sampling_params import SamplingParams
+
+
+def greedy(num_tokens: int, **kwargs: Any) -> SamplingParams:
+    """Greedy decoding (top-1) of `num_tokens` tokens."""
+    return SamplingParams(top_k=1, num_tokens_to_generate=num_tokens, **kwargs)
+
+
+def static_engine(model: torch.nn.Module, tokenizer: Any, max_batch_size: int,
+                  max_sequence_length: int):
+    """Megatron's legacy static-batching engine: StaticInferenceContext (KV cache of
+    max_batch_size x max_sequence_length), GPTInferenceWrapper, TextGenerationController."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+        GPTInferenceWrapper,
+    )
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    context = StaticInferenceContext(max_batch_size, max_sequence_length)
+    controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer)
+    return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
+
+
+def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int,
+                max_requests: int, chunk_tokens: int = 2048, buffer_size_gb: float = 20.0,
+                serving: bool = False):
+    """Megatron's dynamic engine behind its high-level API: paged KV cache, continuous batching,
+    chunked prefill of `chunk_tokens` tokens per step. `MegatronLLM` in direct mode (every rank
+    calls `generate` with the same prompts), or with `serving` a `MegatronAsyncLLM` with its
+    coordinator, whose `serve()` starts Megatron's OpenAI-style HTTP server (/v1/completions).
+    Needs CUDA and flash-attn (FA3 or flash-attn-4), as Megatron's dynamic context does."""
+    from megatron.core.inference.apis import MegatronAsyncLLM, MegatronLLM
+    from megatron.core.inference.config import InferenceConfig
+
+    config = InferenceConfig(
+        max_sequence_length=max_sequence_length,
+        max_requests=max_requests,
+        max_tokens=chunk_tokens,
+        enable_chunked_prefill=True,
+        buffer_size_gb=buffer_size_gb,
+        num_cuda_graphs=None,
+    )
+    api = MegatronAsyncLLM if serving else MegatronLLM
+    return api(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=serving)
+
+
+def generated_tokens(requests: Any) -> list[list[int]]:
+    """The generated token ids of each finished request, in order."""
+    out = []
+    for request in requests:
+        tokens = request.generated_tokens
+        out.append(tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
+    return out

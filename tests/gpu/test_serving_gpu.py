@@ -1,0 +1,247 @@
+"""Megatron's inference stack with the TokenWeave spec on 2 GPUs (TP=2, NCCL, bf16, the CUDA
+kernel): greedy generations equal the stock spec's (TE spec when TE imports, else local) through
+the static engine, the static engine with Megatron's per-layer CUDA graphs
+(cuda_graph_impl="local"), the Flask server's HTTP API and, where flash-attn is installed, the
+dynamic engine (MegatronLLM). Skipped without 2 GPUs.
+
+Random weights give near-tied logits, where bf16 rounding alone flips greedy choices; the model
+here first memorizes a short text (a few seconds of training with the stock spec), so its greedy
+continuations are confident, as a trained model's are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from _serving import check_server_answers, serve_and_query  # noqa: E402
+
+from megatron_tokenweave.launch import free_port, spawn  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)"
+)
+
+TEXT = (
+    "TokenWeave splits the tokens of a batch in two halves. While the first half computes, the "
+    "all-reduce of the second half runs beside it on a few SMs, fused with the residual add and "
+    "the RMSNorm that follows. Megatron serves the model exactly as before, only faster. "
+)
+PROMPTS = [TEXT[:40], TEXT[57:90], TEXT[120:170], TEXT[200:226]]
+NEW_TOKENS = 24
+MAX_BATCH, MAX_SEQ = 4, 256
+LAYERS = 2
+
+
+def _memorize_(model: torch.nn.Module, steps: int = 300, seq: int = 128, batch: int = 16) -> float:
+    """Train `model` (fp32, TP ranks in step) to continue TEXT; returns the last loss."""
+    data = torch.tensor(list((TEXT * 4).encode()), device="cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)  # same windows on every rank
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(TEXT), (batch,), generator=gen)
+        windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+        tokens, labels = windows[:, :-1], windows[:, 1:]
+        pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(batch, -1)
+        loss = model(tokens, pos, attention_mask=None, labels=labels).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return float(loss)
+
+
+def _models(world: int, **config_overrides):
+    """(stock, tokenweave) bf16 GPTModels with the same memorized weights."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from megatron_tokenweave.config import TokenWeaveConfig
+    from megatron_tokenweave.models import Shape, build_gpt, llama_config
+    from megatron_tokenweave.spec import get_gpt_layer_tokenweave_spec, te_available
+
+    shape = Shape(512, 1536, 8, 4, vocab=256)
+    te = te_available()
+    stock_spec = (get_gpt_layer_with_transformer_engine_spec() if te
+                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    torch.manual_seed(0)
+    trainee = build_gpt(llama_config(shape, LAYERS, world), stock_spec, shape.vocab, MAX_SEQ)
+    loss = _memorize_(trainee.cuda())
+    state = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in trainee.state_dict().items()}
+    del trainee
+    cfg = llama_config(shape, LAYERS, world, bf16=True, params_dtype=torch.bfloat16,
+                       **config_overrides)
+    stock = build_gpt(cfg, stock_spec, shape.vocab, MAX_SEQ).cuda()
+    tw_config = TokenWeaveConfig(split_threshold=32, tuning_table="none")
+    woven = build_gpt(cfg, get_gpt_layer_tokenweave_spec(te, tw_config), shape.vocab,
+                      MAX_SEQ).cuda()
+    stock.load_state_dict(state, strict=True)
+    woven.load_state_dict(state, strict=True)
+    return stock, woven, loss
+
+
+def _static(rank: int, world: int, ports: list[int], cuda_graphs: bool) -> dict:
+    from megatron_tokenweave.launch import initialize_model_parallel
+    from megatron_tokenweave.serving.engines import generated_tokens, greedy, static_engine
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    initialize_model_parallel(world)
+    overrides = dict(cuda_graph_impl="local") if cuda_graphs else {}
+    stock, woven, loss = _models(world, **overrides)
+    out: dict = {"loss": loss}
+    for i, (name, model) in enumerate((("stock", stock), ("tokenweave", woven))):
+        engine = static_engine(model, ByteTokenizer(), MAX_BATCH, MAX_SEQ)
+        requests = engine.generate(prompts=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+        out[name] = dict(tokens=generated_tokens(requests))
+        if ports:
+            out[name]["http"] = serve_and_query(engine, ports[i], PROMPTS, NEW_TOKENS,
+                                                MAX_BATCH, MAX_SEQ)
+    return out
+
+
+def _check_generations(result: dict) -> None:
+    stock, woven = result["stock"]["tokens"], result["tokenweave"]["tokens"]
+    # The stock model learned the text: its greedy continuation of each prompt is the text.
+    for prompt, tokens in zip(PROMPTS, stock, strict=True):
+        start = TEXT.index(prompt) + len(prompt)
+        assert bytes(tokens).decode(errors="replace") == TEXT[start : start + len(tokens)], (
+            f"the model did not memorize the text (loss {result['loss']:.3f})")
+    assert woven == stock
+
+
+def test_static_engine_and_flask_server_match_stock():
+    per_rank = spawn(_static, 2, [free_port(), free_port()], False)
+    for result in per_rank:
+        _check_generations(result)
+    check_server_answers(per_rank[0]["stock"]["http"], per_rank[0]["tokenweave"]["http"],
+                         per_rank[0]["tokenweave"]["tokens"], PROMPTS, MAX_BATCH, MAX_SEQ)
+
+
+def test_static_engine_with_megatron_cuda_graphs_matches_stock():
+    """cuda_graph_impl="local": Megatron captures each layer's forward as its own graph; the
+    woven layer then joins its side stream at the layer boundary."""
+    for result in spawn(_static, 2, [], True):
+        _check_generations(result)
+
+
+def _dynamic(rank: int, world: int) -> dict:
+    from megatron_tokenweave.launch import initialize_model_parallel
+    from megatron_tokenweave.serving.engines import dynamic_llm, generated_tokens, greedy
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    initialize_model_parallel(world)
+    stock, woven, loss = _models(world)
+    out: dict = {"loss": loss}
+    for name, model in (("stock", stock), ("tokenweave", woven)):
+        llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
+                          chunk_tokens=64, buffer_size_gb=1.0)
+        try:
+            requests = llm.generate([list(p.encode()) for p in PROMPTS], greedy(NEW_TOKENS))
+        finally:
+            llm.shutdown()
+        out[name] = dict(tokens=generated_tokens(requests))
+    return out
+
+
+def _flash_attention() -> str | None:
+    """Which flash-attention Megatron found (its dynamic engine needs one), or None."""
+    from megatron.core.transformer import attention
+
+    for flag in ("HAVE_FA4", "HAVE_FA3"):
+        if getattr(attention, flag, False):
+            return flag
+    try:
+        import flash_attn  # noqa: F401 - FA2
+    except ImportError:
+        return None
+    return "flash_attn"
+
+
+def test_dynamic_engine_matches_stock():
+    """MegatronLLM (dynamic engine, chunked prefill of 64 tokens, so prompts span chunks)."""
+    if _flash_attention() is None:
+        pytest.skip("no flash-attn here (Megatron's dynamic engine needs it)")
+    for result in spawn(_dynamic, 2):
+        _check_generations(result)
+
+
+def _openai(rank: int, world: int, ports: list[int]) -> dict:
+    """Megatron's OpenAI-style server (MegatronAsyncLLM.serve, coordinator mode) per model."""
+    import asyncio
+    import json
+    import time
+    import urllib.error
+
+    from _serving import http
+    from megatron.core.inference.apis import ServeConfig
+
+    from megatron_tokenweave.launch import initialize_model_parallel
+    from megatron_tokenweave.serving.engines import dynamic_llm
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    initialize_model_parallel(world)
+    stock, woven, loss = _models(world)
+
+    def query(url: str) -> dict:
+        deadline = time.time() + 120
+        while True:  # the HTTP frontend starts in its own processes
+            try:
+                http(url + "/health", "GET", None)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(1)
+        good = json.dumps(dict(prompt=PROMPTS, max_tokens=NEW_TOKENS, temperature=0)).encode()
+        bad = [b"{not json", json.dumps(dict(prompt=[])).encode(),
+               json.dumps(dict(prompt="x" * (MAX_SEQ + 1), max_tokens=8)).encode()]
+        return dict(good=http(url + "/v1/completions", "POST", good),
+                    bad=[http(url + "/v1/completions", "POST", b) for b in bad],
+                    again=http(url + "/v1/completions", "POST", good))
+
+    async def session(model, port: int):
+        llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
+                          chunk_tokens=64, buffer_size_gb=1.0, serving=True)
+        await llm.serve(ServeConfig(host="127.0.0.1", port=port, frontend_replicas=1),
+                        blocking=False)
+        answers = None
+        if rank == 0:
+            answers = await asyncio.to_thread(query, f"http://127.0.0.1:{port}")
+        await llm.shutdown()
+        return answers
+
+    out: dict = {"loss": loss}
+    for i, (name, model) in enumerate((("stock", stock), ("tokenweave", woven))):
+        out[name] = asyncio.run(session(model, ports[i]))
+    return out
+
+
+def test_openai_server_matches_stock():
+    """POST /v1/completions (greedy) on Megatron's dynamic OpenAI-style server: the same
+    completions from the TokenWeave model as from the stock one; malformed requests get a 4xx
+    and the server keeps answering."""
+    if _flash_attention() is None:
+        pytest.skip("no flash-attn here (Megatron's dynamic engine needs it)")
+    for module in ("quart", "hypercorn", "zmq", "msgpack"):
+        pytest.importorskip(module)
+    result = spawn(_openai, 2, [free_port(), free_port()])[0]
+    stock, woven = result["stock"], result["tokenweave"]
+    for answers in (stock, woven):
+        assert answers["good"][0] == 200, answers["good"]
+        assert answers["again"] == answers["good"]
+        for status, reply in answers["bad"]:
+            assert 400 <= status < 500, (status, reply)
+    texts = [c["text"] for c in woven["good"][1]["choices"]]
+    assert texts == [c["text"] for c in stock["good"][1]["choices"]]
+    for prompt, text in zip(PROMPTS, texts, strict=True):
+        start = TEXT.index(prompt) + len(prompt)
+        assert text == TEXT[start : start + len(text)] and text, (prompt, text)
