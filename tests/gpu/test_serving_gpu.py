@@ -37,11 +37,11 @@ MAX_BATCH, MAX_SEQ = 4, 256
 LAYERS = 2
 
 
-def _memorize_(model: torch.nn.Module, steps: int = 300, seq: int = 128, batch: int = 16) -> float:
+def _memorize_(model: torch.nn.Module, steps: int = 300, seq: int = 64, batch: int = 32) -> float:
     """Train `model` (fp32, TP ranks in step) to continue TEXT; returns the last loss."""
     data = torch.tensor(list((TEXT * 4).encode()), device="cuda")
     gen = torch.Generator(device="cpu").manual_seed(0)  # same windows on every rank
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
