@@ -2,8 +2,9 @@
 # A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
 # were received (../shared/device/stage.sh base te fa4; .dw/serve: flask, quart, pyzmq, ...).
 # Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
-#   tests  build the extension; TE-spec parity, serving tests (engines, servers); e2e benchmark
-#   bench  block benchmark (TE baselines, four model shapes); the other GPU tests
+#   tests  block benchmark (TE baselines, four model shapes), TE-spec parity, static-engine serving
+#   e2e    end-to-end benchmark (static engine)
+#   more   the other GPU tests (local-spec layer tests, kernel, dynamic engine / OpenAI server)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -20,17 +21,20 @@ python -c "import torch, megatron_tokenweave._C" 2>/dev/null \
 python -c "import torch, megatron_tokenweave._C; print('extension: built by setup.py')" 2>&1 | tail -1
 python -c "import transformer_engine.pytorch as te; print('TE', te.__version__)" 2>&1 | tail -1
 case "$phase" in
-  tests)
-    TAIL=25 step te_parity 110 python -m pytest -x -q -s tests/gpu/test_layer_gpu.py -k te_spec
-    TAIL=30 step serving 230 python -m pytest -q -s -rs tests/gpu/test_serving_gpu.py
-    TAIL=12 step e2e 190 python -m megatron_tokenweave.bench e2e --reps 3 --throughput-reps 1 \
-      --out "$out/e2e_tp2.json"
-    ;;
-  bench)
-    TAIL=40 step block 330 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
+  tests)  # the GPU tests of the round
+    TAIL=40 step block 270 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
       --models llama-3.3-70b llama-3-8b qwen2.5-72b mixtral-8x7b --out "$out/block_tp2.json"
-    TAIL=20 step layer_tests 140 python -m pytest -q -s tests/gpu/test_layer_gpu.py -k "not te_spec"
-    step kernel_tests 90 python -m pytest -q tests/gpu/test_kernel.py
+    TAIL=8 step te_parity 90 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
+    TAIL=8 step serving 120 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
+    ;;
+  e2e)
+    TAIL=12 step e2e 140 python -m megatron_tokenweave.bench e2e --engine static --reps 3 \
+      --throughput-reps 1 --out "$out/e2e_tp2.json"
+    ;;
+  more)
+    TAIL=20 step layer_tests 140 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"
+    step kernel_tests 90 python -m pytest -v tests/gpu/test_kernel.py
+    TAIL=20 step serving_dynamic 200 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k "not static"
     ;;
 esac
 exit 0

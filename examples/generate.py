@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from megatron_tokenweave.launch import spawn
 
 
@@ -67,8 +65,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--dynamic", action="store_true", help="also the dynamic engine (GPU)")
     args = parser.parse_args()
-    if args.dynamic and not torch.cuda.is_available():
-        raise SystemExit("--dynamic needs CUDA and flash-attn (Megatron's dynamic engine)")
+    if args.dynamic:
+        from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+        if (problem := dynamic_engine_problem()) is not None:
+            raise SystemExit(f"--dynamic: {problem}")
     result = spawn(run, args.tp, args)[0]
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import torch
-
 from megatron_tokenweave.launch import spawn
 
 
@@ -68,8 +66,11 @@ def main() -> None:
     parser.add_argument("--max-seq", type=int, default=1024)
     parser.add_argument("--kv-gb", type=float, default=4.0)
     args = parser.parse_args()
-    if args.server == "openai" and not torch.cuda.is_available():
-        raise SystemExit("--server openai needs CUDA and flash-attn (Megatron's dynamic engine)")
+    if args.server == "openai":
+        from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+        if (problem := dynamic_engine_problem()) is not None:
+            raise SystemExit(f"--server openai: {problem}")
     spawn(run, args.tp, args, timeout=10 ** 9)
 
 

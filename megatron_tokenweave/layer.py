@@ -66,7 +66,10 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 if stock_key in state_dict and our_key not in state_dict:
                     state_dict[our_key] = state_dict.pop(stock_key)
             extra_key = prefix + ours + "_extra_state"
-            module = self.get_submodule(ours.rstrip("."))
+            try:
+                module = self.get_submodule(ours.rstrip("."))
+            except AttributeError:  # a key map entry of Megatron's, not one of our norms
+                continue
             has_extra = type(module).get_extra_state is not torch.nn.Module.get_extra_state
             if has_extra and extra_key not in state_dict and prefix + ours + "weight" in state_dict:
                 state_dict[extra_key] = module.get_extra_state()

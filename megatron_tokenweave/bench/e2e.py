@@ -11,9 +11,9 @@ interleaving the two models:
   tokens_per_s  --prompts prompts of mixed lengths (--mixed-min..--mixed-max tokens, log-uniform)
                 with --output-tokens greedy tokens each: (prompt + generated tokens) / wall time.
                 Through the dynamic engine (MegatronLLM, chunked prefill of --chunk tokens) where
-                Megatron finds flash-attn, else the static engine (lengths rounded to powers of
-                sqrt(2) and batches of equal-length prompts, so a batch's prefill is one
-                forward). The row says which.
+                it can run (serving.engines.dynamic_engine_problem), else the static engine
+                (lengths rounded to powers of sqrt(2) and batches of equal-length prompts, so a
+                batch's prefill is one forward). The row says which.
 """
 
 from __future__ import annotations
@@ -57,17 +57,16 @@ def _workload(args: argparse.Namespace, buckets: bool) -> list[str]:
     return [_text(int(round(2 ** float(e))), gen) for e in exps]
 
 
-def _dynamic_available() -> bool:
-    from megatron.core.transformer import attention
-
-    return bool(getattr(attention, "HAVE_FA4", False) or getattr(attention, "HAVE_FA3", False))
-
-
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.models import stock_and_tokenweave
-    from megatron_tokenweave.serving.engines import dynamic_llm, greedy, static_engine
+    from megatron_tokenweave.serving.engines import (
+        dynamic_engine_problem,
+        dynamic_llm,
+        greedy,
+        static_engine,
+    )
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
     from megatron_tokenweave.spec import te_available
 
@@ -104,7 +103,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         del engines
 
     # Throughput: mixed prompt lengths.
-    use_dynamic = args.engine == "dynamic" or (args.engine == "auto" and _dynamic_available())
+    use_dynamic = args.engine == "dynamic" or (
+        args.engine == "auto" and dynamic_engine_problem() is None)
     prompts = _workload(args, buckets=not use_dynamic)
     prompt_tokens = sum(len(p) for p in prompts)
     runs: dict[str, Callable[[], int]] = {}

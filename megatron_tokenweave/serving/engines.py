@@ -35,6 +35,22 @@ def static_engine(model: torch.nn.Module, tokenizer: Any, max_batch_size: int,
     return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
 
 
+def dynamic_engine_problem() -> str | None:
+    """Why Megatron's dynamic engine cannot run here (None when it can, as far as we know)."""
+    if not torch.cuda.is_available():
+        return "Megatron's dynamic engine needs CUDA"
+    from megatron.core.transformer import attention
+
+    fa3, fa4 = getattr(attention, "HAVE_FA3", False), getattr(attention, "HAVE_FA4", False)
+    if not (fa3 or fa4):
+        return "Megatron's dynamic engine needs flash-attn (FA3 or flash-attn-4)"
+    if fa4 and not fa3 and torch.cuda.get_device_capability() == (9, 0):
+        # Seen on H200 with flash-attn-4 4.0.0b36 and megatron-core 0.19.2: decode steps reach
+        # flash_attn.cute's split-KV path, which asserts "SplitKV not supported on SM 9.0".
+        return "flash-attn-4 has no split-KV kernel on SM 9.0, which Megatron's decode path uses"
+    return None
+
+
 def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int,
                 max_requests: int, chunk_tokens: int = 2048, buffer_size_gb: float = 20.0,
                 serving: bool = False):

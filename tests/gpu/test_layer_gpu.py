@@ -43,12 +43,21 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None, t
     tw = build_gpt(cfg, spec, shape.vocab, 4096)
     stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
     tw.load_state_dict(stock.state_dict(), strict=True)
-    golden = build_gpt(llama_config(shape, layers, world), stock_spec, shape.vocab, 4096).cuda()
+    # The yardstick runs in fp32 on the local spec (TE's attention takes no fp32 inputs); a TE
+    # state dict maps onto it by renaming the fused norms and dropping TE's extra state.
+    local_spec = get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
+    golden = build_gpt(llama_config(shape, layers, world), local_spec, shape.vocab, 4096).cuda()
     golden.load_state_dict({
-        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-        for k, v in stock.state_dict().items()
+        _local_key(k): v.float() if v.is_floating_point() else v
+        for k, v in stock.state_dict().items() if not k.endswith("_extra_state")
     }, strict=True)
     return stock, tw, golden
+
+
+def _local_key(key: str) -> str:
+    """The local-spec name of a TE-spec state-dict key."""
+    return key.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight") \
+        .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
 
 
 def _same_router_on_every_rank_(model: torch.nn.Module) -> None:

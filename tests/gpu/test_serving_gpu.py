@@ -152,24 +152,12 @@ def _dynamic(rank: int, world: int) -> dict:
     return out
 
 
-def _flash_attention() -> str | None:
-    """Which flash-attention Megatron found (its dynamic engine needs one), or None."""
-    from megatron.core.transformer import attention
-
-    for flag in ("HAVE_FA4", "HAVE_FA3"):
-        if getattr(attention, flag, False):
-            return flag
-    try:
-        import flash_attn  # noqa: F401 - FA2
-    except ImportError:
-        return None
-    return "flash_attn"
-
-
 def test_dynamic_engine_matches_stock():
     """MegatronLLM (dynamic engine, chunked prefill of 64 tokens, so prompts span chunks)."""
-    if _flash_attention() is None:
-        pytest.skip("no flash-attn here (Megatron's dynamic engine needs it)")
+    from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+    if (problem := dynamic_engine_problem()) is not None:
+        pytest.skip(problem)
     for result in spawn(_dynamic, 2):
         _check_generations(result)
 
@@ -229,8 +217,10 @@ def test_openai_server_matches_stock():
     """POST /v1/completions (greedy) on Megatron's dynamic OpenAI-style server: the same
     completions from the TokenWeave model as from the stock one; malformed requests get a 4xx
     and the server keeps answering."""
-    if _flash_attention() is None:
-        pytest.skip("no flash-attn here (Megatron's dynamic engine needs it)")
+    from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+    if (problem := dynamic_engine_problem()) is not None:
+        pytest.skip(problem)
     for module in ("quart", "hypercorn", "zmq", "msgpack"):
         pytest.importorskip(module)
     result = spawn(_openai, 2, [free_port(), free_port()])[0]
