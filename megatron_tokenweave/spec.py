@@ -118,12 +118,18 @@ def get_gpt_decoder_block_tokenweave_spec(
 
     Needed only for the local (non-TE) flavour with `sequence_parallel=True`: given a layer
     spec, Megatron builds the block's final norm with WrappedTorchNorm, which refuses sequence
-    parallelism. With TE (TENorm) the layer spec alone is enough.
+    parallelism. With TE the layer spec alone is enough. Where TE imports, the final norm is
+    TENorm as Megatron builds it for any layer spec, so stock checkpoints (whose final norm
+    carries TE's extra state) load with strict=True.
     """
     if use_transformer_engine is None:
         use_transformer_engine = te_available()
     layer = get_gpt_layer_tokenweave_spec(use_transformer_engine, tokenweave_config, **stock_kwargs)
     norm = layer.submodules.input_layernorm
+    if te_available():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm = TENorm
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage, pp_rank), layer_norm=norm
     )

@@ -11,8 +11,10 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
   tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
   tokenweave_sp_split / _nosplit  the same, always / never split (to place the threshold)
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
-`eager` times plain Python forwards (launch overhead included). Without TE every spec gets the
-same SDPA (flash) core attention (bench/sdpa.py) instead of Megatron's unfused local attention.
+`eager` times plain Python forwards (launch overhead included). MoE shapes always run eager:
+Megatron's token dispatchers copy token counts to the host, which a graph cannot capture.
+Without TE every spec gets the same SDPA (flash) core attention (bench/sdpa.py) instead of
+Megatron's unfused local attention.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     for model in args.models:
         shape = SHAPES[model]
         extra = shape.spec_kwargs()
+        # Megatron's MoE dispatchers read token counts on the host: no CUDA-graph capture.
+        modes = ["eager"] if shape.experts else args.modes
         stock_spec = (
             get_gpt_layer_with_transformer_engine_spec(**extra)
             if use_te
@@ -153,11 +157,11 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 }
                 med = {}
                 with torch.no_grad():
-                    if "eager" in args.modes:
+                    if "eager" in modes:
                         cands = {k: eager(*v) for k, v in builders.items()}
                         res = interleaved_medians(cands, iters=args.iters, warmup=args.warmup)
                         med.update({(k, "eager"): v for k, v in res.items()})
-                    if "graph" in args.modes:
+                    if "graph" in modes:
                         cands = {k: graphed(eager(*v)) for k, v in builders.items()}
                         res = interleaved_medians(cands, iters=args.iters, warmup=args.warmup)
                         med.update({(k, "graph"): v for k, v in res.items()})
