@@ -172,3 +172,48 @@ def test_te_style_norm_keys_load_into_tokenweave_layer(single_rank_group):
     layer.load_state_dict(sd, strict=True)
     assert torch.equal(layer.input_layernorm.weight.detach(), qkv_norm)
     assert torch.equal(layer.pre_mlp_layernorm.weight.detach(), fc1_norm)
+
+
+class _NormWithExtraState(torch.nn.RMSNorm):
+    """Like TE's RMSNorm: a norm whose state dict carries an `_extra_state` entry."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object):
+        super().__init__(hidden_size, eps=eps)
+        self.extra = torch.tensor([7], dtype=torch.uint8)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.extra.clone()
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.extra = state.clone()
+
+
+def test_te_style_state_dict_loads_into_norms_with_extra_state(single_rank_group):
+    """A TE-spec state dict (norm weights inside the fused linears, so no norm `_extra_state`)
+    loads strictly into a layer whose separate norms carry extra state, as TE's do; the norms
+    keep their own extra state. A state dict that has the norm keys loads them as given."""
+    import dataclasses
+
+    from megatron_tokenweave.models import build_gpt, llama_config
+
+    layer_spec = get_gpt_layer_tokenweave_spec(False)
+    sub = dataclasses.replace(layer_spec.submodules, input_layernorm=_NormWithExtraState,
+                              pre_mlp_layernorm=_NormWithExtraState)
+    model = build_gpt(llama_config(SHAPE, 1, 1), dataclasses.replace(layer_spec, submodules=sub),
+                      SHAPE.vocab, 64)
+    layer = model.decoder.layers[0]
+    sd = layer.state_dict()
+    assert "input_layernorm._extra_state" in sd
+    weight = 1.0 + torch.randn(SHAPE.hidden, generator=torch.Generator().manual_seed(3))
+    for ours, theirs in (("input_layernorm", "self_attention.linear_qkv"),
+                         ("pre_mlp_layernorm", "mlp.linear_fc1")):
+        del sd[f"{ours}._extra_state"]
+        sd[f"{theirs}.layer_norm_weight"] = sd.pop(f"{ours}.weight")
+    sd["self_attention.linear_qkv.layer_norm_weight"] = weight
+    layer.load_state_dict(sd, strict=True)
+    assert torch.equal(layer.input_layernorm.weight.detach(), weight)
+    assert layer.input_layernorm.extra.tolist() == [7]
+    given = layer.state_dict()
+    given["pre_mlp_layernorm._extra_state"] = torch.tensor([9], dtype=torch.uint8)
+    layer.load_state_dict(given, strict=True)
+    assert layer.pre_mlp_layernorm.extra.tolist() == [9]
