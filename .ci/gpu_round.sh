@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
-# were received (../shared/device/stage.sh base te fa4; .dw/serve: flask, quart, pyzmq, ...).
+# were received: ../shared/device/stage.sh base / te (/ fa4) and .ci/stage_serve.sh, carried in
+# back-to-back calls that each run `bash .dw/recv.sh` (base/small + te/p0, te/p1 + serve/small,
+# te/p2, te/p3, te/p4 + te/small with `pip install --no-build-isolation --no-deps -e .`: ~3 min;
+# one call carries at most 64 MiB).
 # Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
 #   tests  block benchmark (TE baselines, four model shapes), TE-spec parity, static-engine serving
 #   e2e    end-to-end benchmark (static engine)
