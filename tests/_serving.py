@@ -36,6 +36,8 @@ def bad_requests(max_batch: int, max_seq: int) -> list[tuple[str, str, bytes]]:
         ("PUT", "/api", dumps({"prompts": ["x"] * (max_batch + 1)})),
         ("POST", "/completions", dumps({"prompt": "x"})),
         ("POST", "/completions", dumps({"prompt": "x", "max_tokens": 10 * max_seq})),
+        ("POST", "/completions", dumps({"prompt": "x", "max_tokens": 4, "temperature": "hot"})),
+        ("POST", "/completions", b"prompt=x&max_tokens=4"),
     ]
 
 

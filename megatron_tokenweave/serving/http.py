@@ -16,15 +16,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tokenweave.log import log_once
+
 GENERATE, STOP = 0, 1  # GENERATE is Megatron's GENERATE_NUM (endpoints/common.py)
 DEFAULT_TOKENS = 64  # Megatron's /api default for tokens_to_generate
+_COMPLETIONS_NUMBERS: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float), "top_p": (int, float),
+    "top_k": (int,), "logprobs": (int,), "seed": (int,), "n": (int,), "best_of": (int,),
+}
 
 
 def request_problem(path: str, body: Any, tokenizer: Any, max_batch_size: int,
                     max_sequence_length: int) -> str | None:
     """Why this request must be refused (None when the engine can take it)."""
     if not isinstance(body, dict):
-        return "the request body must be a JSON object"
+        return "the request body must be a JSON object (Content-Type: application/json)"
     if path.rstrip("/") == "/completions":
         prompts, key, count_key = body.get("prompt"), "prompt", "max_tokens"
         if isinstance(prompts, str):
@@ -32,6 +38,10 @@ def request_problem(path: str, body: Any, tokenizer: Any, max_batch_size: int,
         if count_key not in body:
             return "max_tokens is required"
         count = body[count_key]
+        for name, kinds in _COMPLETIONS_NUMBERS.items():  # Megatron casts these unchecked
+            value = body.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                return f"{name} must be {'a number' if float in kinds else 'an integer'}"
     else:
         prompts, key, count_key = body.get("prompts"), "prompts", "tokens_to_generate"
         count = body.get(count_key, DEFAULT_TOKENS)
@@ -97,7 +107,9 @@ class FlaskTextServer:
         def guard():
             if device is not None:  # handler threads start on device 0
                 torch.cuda.set_device(device)
-            if request.method not in ("PUT", "POST"):
+            if request.method not in ("PUT", "POST") or request.path.rstrip("/") not in (
+                "/api", "/completions"
+            ):
                 return None
             body = request.get_json(silent=True)
             problem = request_problem(request.path, body, tokenizer, max_batch_size,
@@ -138,8 +150,10 @@ class FlaskTextServer:
         while _broadcast_choice(GENERATE) == GENERATE:
             try:
                 run_mcore_engine(self.engine)
-            except ValueError:  # rank 0 answers the client; stay in step with it
-                pass
+            except Exception as err:  # noqa: BLE001 - rank 0 answers the client (an error
+                # string or HTTP 500) and keeps serving; stay in step with it
+                log_once(f"follower:{type(err).__name__}",
+                         f"TokenWeave server rank {self.rank}: request failed: {err!r}")
 
     def shutdown(self) -> None:
         """Rank 0: stop answering HTTP, then release the followers."""
