@@ -97,3 +97,46 @@ def test_tokenizer_round_trip():
     with pytest.raises(ValueError, match="at least 256"):
         ByteTokenizer(100)
     assert torch.tensor(tok.offsets([104, 300, 105], "h<300>i")).tolist() == [0, 1, 6]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "problem"),
+    [
+        ("/api", None, "JSON object"),
+        ("/api", [1, 2], "JSON object"),
+        ("/api", {}, "prompts is required"),
+        ("/api", {"prompts": [1]}, "list of strings"),
+        ("/api", {"prompts": ["ok"], "tokens_to_generate": True}, "integer >= 0"),
+        ("/api", {"prompts": ["ok"], "tokens_to_generate": 2.5}, "integer >= 0"),
+        ("/api", {"prompts": ["ok", ""]}, "prompt 1 is empty"),
+        ("/api", {"prompts": ["é" * 20], "tokens_to_generate": 60}, "100 > the server's maximum"),
+        ("/completions", {"max_tokens": 1}, "prompt is required"),
+        ("/completions", {"prompt": [[1, 2]], "max_tokens": 1}, "list of strings"),
+        ("/completions", {"prompt": "x", "max_tokens": 1, "top_k": 1.5}, "top_k must be an int"),
+        ("/completions", {"prompt": "x", "max_tokens": 1, "seed": False}, "seed must be an int"),
+        ("/completions", {"prompt": "x", "max_tokens": 1, "top_p": "1"}, "top_p must be a num"),
+    ],
+)
+def test_request_problem_names_what_is_wrong(path, body, problem):
+    """The guard's verdict on single malformed requests (2-byte characters count as 2 tokens)."""
+    from megatron_tokenweave.serving.http import request_problem
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    got = request_problem(path, body, ByteTokenizer(), max_batch_size=4, max_sequence_length=99)
+    assert got is not None and problem in got, got
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api", {"prompts": ["hello"]}),
+        ("/api/", {"prompts": ["a", "b"], "tokens_to_generate": 0, "logprobs": True}),
+        ("/completions", {"prompt": "hello", "max_tokens": 8, "temperature": 0, "top_p": 1}),
+        ("/completions", {"prompt": ["a", "b"], "max_tokens": 93}),
+    ],
+)
+def test_request_problem_accepts_good_requests(path, body):
+    from megatron_tokenweave.serving.http import request_problem
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    assert request_problem(path, body, ByteTokenizer(), 4, 99) is None
