@@ -34,15 +34,10 @@ def _timed(fn, iters: int) -> float:
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.cpu_compat import cpu_device_scope
     from megatron_tokenweave.launch import initialize_model_parallel
-    from megatron_tokenweave.models import Shape, build_gpt, llama_config
+    from megatron_tokenweave.models import Shape, build_gpt, llama_config, stock_layer_spec
     from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec, te_available
 
     gpu = torch.cuda.is_available()
@@ -51,11 +46,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(bf16=gpu, params_dtype=dtype)
     use_te = gpu and te_available()
-    stock_spec = (
-        get_gpt_layer_with_transformer_engine_spec()
-        if use_te
-        else get_gpt_layer_local_spec(normalization="RMSNorm")
-    )
+    stock_spec = stock_layer_spec(shape, use_te)
     tw_config = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=args.tokens * args.batch))
     seq = args.tokens
     with cpu_device_scope():

@@ -65,14 +65,12 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 stock_key, our_key = prefix + theirs + suffix, prefix + ours + suffix
                 if stock_key in state_dict and our_key not in state_dict:
                     state_dict[our_key] = state_dict.pop(stock_key)
-            extra_key = prefix + ours + "_extra_state"
-            try:
-                module = self.get_submodule(ours.rstrip("."))
-            except AttributeError:  # a key map entry of Megatron's, not one of our norms
-                continue
-            has_extra = type(module).get_extra_state is not torch.nn.Module.get_extra_state
-            if has_extra and extra_key not in state_dict and prefix + ours + "weight" in state_dict:
-                state_dict[extra_key] = module.get_extra_state()
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            norm = getattr(self, name)
+            extra_key = f"{prefix}{name}._extra_state"
+            has_extra = type(norm).get_extra_state is not torch.nn.Module.get_extra_state
+            if has_extra and extra_key not in state_dict and f"{prefix}{name}.weight" in state_dict:
+                state_dict[extra_key] = norm.get_extra_state()
 
     # ----------------------------------------------------------------- construction
     def _join_chain(self) -> WeaveChain:

@@ -90,6 +90,19 @@ def build_gpt(
     return model.eval()
 
 
+def stock_layer_spec(shape: Shape, use_te: bool) -> ModuleSpec:
+    """Megatron's own GPT layer spec for `shape`: the TE spec, or the local spec with RMSNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    extra = shape.spec_kwargs()
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(**extra)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
+
+
 def stock_and_tokenweave(
     shape: Shape,
     num_layers: int,
@@ -102,11 +115,6 @@ def stock_and_tokenweave(
     """(stock, tokenweave) GPTModels of `shape` with the same (random) weights: Megatron's TE
     layer spec and the TokenWeave TE flavour when `use_te` (default: when TE imports), else the
     local ones. On a GPU both are bf16 CUDA models; on a CPU-only machine fp32 CPU models."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     from megatron_tokenweave.cpu_compat import cpu_device_scope
     from megatron_tokenweave.spec import get_gpt_layer_tokenweave_spec, te_available
 
@@ -114,10 +122,8 @@ def stock_and_tokenweave(
     use_te = te_available() if use_te is None else use_te
     if gpu:
         config_overrides = dict(bf16=True, params_dtype=torch.bfloat16, **config_overrides)
-    extra = shape.spec_kwargs()
-    stock_spec = (get_gpt_layer_with_transformer_engine_spec(**extra) if use_te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm", **extra))
-    tw_spec = get_gpt_layer_tokenweave_spec(use_te, tokenweave_config, **extra)
+    stock_spec = stock_layer_spec(shape, use_te)
+    tw_spec = get_gpt_layer_tokenweave_spec(use_te, tokenweave_config, **shape.spec_kwargs())
     with cpu_device_scope():
         config = llama_config(shape, num_layers, tp, **config_overrides)
         stock = build_gpt(config, stock_spec, shape.vocab, max_seq)

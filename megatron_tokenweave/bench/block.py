@@ -29,7 +29,7 @@ import torch
 
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
-from megatron_tokenweave.models import SHAPES, llama_config
+from megatron_tokenweave.models import SHAPES, llama_config, stock_layer_spec
 
 
 @contextlib.contextmanager
@@ -86,10 +86,6 @@ def graphed(fn):
 
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_tokenweave.bench.sdpa import with_sdpa
@@ -108,11 +104,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         extra = shape.spec_kwargs()
         # Megatron's MoE dispatchers read token counts on the host: no CUDA-graph capture.
         modes = ["eager"] if shape.experts else args.modes
-        stock_spec = (
-            get_gpt_layer_with_transformer_engine_spec(**extra)
-            if use_te
-            else get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
-        )
+        stock_spec = stock_layer_spec(shape, use_te)
         common = dict(bf16=True, params_dtype=torch.bfloat16)
         cfg = llama_config(shape, args.layers, world, **common)
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)

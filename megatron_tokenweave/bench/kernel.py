@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 
@@ -28,11 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
+
 NVLINK_BOUND_GBPS = 381.0
 EPS = 1e-5
 L2_BYTES = 60 << 20
@@ -262,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_tokenweave import kernels
 
     kernels.load_extension()  # build once before spawning
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.spawn(_worker, args=(2, port, args, queue), nprocs=2, join=True)

@@ -18,13 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_tokenweave.launch import free_port
+from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 os.environ.update(NO_MULTICAST_ENV)
 
 TOKENS = (1, 3, 64, 127, 128, 1000, 1024, 4096, 8192)

@@ -19,19 +19,15 @@ SHAPES = [(1, 1), (7, 3), (512, 1), (1024, 1), (1031, 1), (2048, 2)]
 def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None, te: bool = False):
     """(stock bf16, tokenweave bf16, stock fp32 with the same weights: the yardstick); on
     Megatron's TE spec and the TokenWeave TE flavour when `te`, else the local ones."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_tokenweave.config import TokenWeaveConfig
-    from megatron_tokenweave.models import Shape, build_gpt, llama_config
+    from megatron_tokenweave.models import Shape, build_gpt, llama_config, stock_layer_spec
     from megatron_tokenweave.spec import get_gpt_decoder_block_tokenweave_spec
 
     shape = shape or Shape(1024, 2816, 8, 2, vocab=1024)
     extra = shape.spec_kwargs()
-    stock_spec = (get_gpt_layer_with_transformer_engine_spec(**extra) if te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm", **extra))
+    stock_spec = stock_layer_spec(shape, te)
     common = dict(bf16=True, params_dtype=torch.bfloat16)
     stock_cfg = llama_config(shape, layers, world, **common)
     stock = build_gpt(stock_cfg, stock_spec, shape.vocab, 4096)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_tokenweave.launch import free_port
+from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
 CASE = os.path.join(os.path.dirname(__file__), "_sanitize_case.py")
 pytestmark = pytest.mark.skipif(
@@ -24,8 +24,7 @@ def test_kernel_is_sanitizer_clean(tool):
     from megatron_tokenweave import kernels
 
     kernels.load_extension()  # build (if needed) outside the sanitizer
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1", "TOKENWEAVE_KERNEL_TIMEOUT_S": "300"}
+    env = {**os.environ, **NO_MULTICAST_ENV, "TOKENWEAVE_KERNEL_TIMEOUT_S": "300"}
     cmd = ["compute-sanitizer", f"--tool={tool}", "--target-processes=all",
            "--error-exitcode=99", sys.executable, CASE, str(free_port())]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)

@@ -59,19 +59,13 @@ def _memorize_(model: torch.nn.Module, steps: int = 300, seq: int = 64, batch: i
 
 def _models(world: int, **config_overrides):
     """(stock, tokenweave) bf16 GPTModels with the same memorized weights."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     from megatron_tokenweave.config import TokenWeaveConfig
-    from megatron_tokenweave.models import Shape, build_gpt, llama_config
+    from megatron_tokenweave.models import Shape, build_gpt, llama_config, stock_layer_spec
     from megatron_tokenweave.spec import get_gpt_layer_tokenweave_spec, te_available
 
     shape = Shape(512, 1536, 8, 4, vocab=256)
     te = te_available()
-    stock_spec = (get_gpt_layer_with_transformer_engine_spec() if te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    stock_spec = stock_layer_spec(shape, te)
     torch.manual_seed(0)
     trainee = build_gpt(llama_config(shape, LAYERS, world), stock_spec, shape.vocab, MAX_SEQ)
     loss = _memorize_(trainee.cuda())
