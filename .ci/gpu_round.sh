@@ -5,9 +5,12 @@
 # te/p2, te/p3, te/p4 + te/small with `pip install --no-build-isolation --no-deps -e .`: ~3 min;
 # one call carries at most 64 MiB).
 # Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
-#   tests  block benchmark (TE baselines, four model shapes), TE-spec parity, static-engine serving
-#   e2e    end-to-end benchmark (static engine)
-#   more   the other GPU tests (local-spec layer tests, kernel, dynamic engine / OpenAI server)
+#   tune   split-policy tables for the 70B/Qwen (hidden 8192) and 8B (hidden 4096) shapes, both
+#          layouts, on TE; copied to $OUT/tables (commit them as megatron_tokenweave/tables/)
+#   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
+#          its block (eager)
+#   tests  TE-spec parity, static-engine serving, then the e2e benchmark
+#   more   local-spec layer tests, kernel tests, dynamic engine / OpenAI server
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -24,18 +27,29 @@ python -c "import torch, megatron_tokenweave._C" 2>/dev/null \
 python -c "import torch, megatron_tokenweave._C; print('extension: built by setup.py')" 2>&1 | tail -1
 python -c "import transformer_engine.pytorch as te; print('TE', te.__version__)" 2>&1 | tail -1
 case "$phase" in
-  tests)  # the GPU tests of the round
-    TAIL=40 step block 270 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
-      --models llama-3.3-70b llama-3-8b qwen2.5-72b mixtral-8x7b --out "$out/block_tp2.json"
-    TAIL=8 step te_parity 90 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
-    TAIL=8 step serving 120 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
+  tune)
+    TAIL=14 step tune70b 300 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 260
+    TAIL=14 step tune8b 150 python -m megatron_tokenweave.tune --model llama-3-8b --budget-s 110
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
     ;;
-  e2e)
-    TAIL=12 step e2e 140 python -m megatron_tokenweave.bench e2e --engine static --reps 3 \
+  bench)
+    TAIL=40 step block 300 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
+      --models llama-3.3-70b qwen2.5-72b llama-3-8b --variants tokenweave tokenweave_sp \
+      --out "$out/block_tp2.json"
+    TAIL=14 step tune_moe 130 python -m megatron_tokenweave.tune --model mixtral-8x7b \
+      --iters 5 --budget-s 100
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*moe.json "$out/tables/"
+    TAIL=12 step block_moe 150 python -m megatron_tokenweave.bench block --iters 10 \
+      --models mixtral-8x7b --variants tokenweave tokenweave_sp --out "$out/block_moe_tp2.json"
+    ;;
+  tests)
+    TAIL=8 step te_parity 120 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
+    TAIL=8 step serving 100 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
+    TAIL=12 step e2e 200 python -m megatron_tokenweave.bench e2e --engine static --reps 3 \
       --throughput-reps 1 --out "$out/e2e_tp2.json"
     ;;
   more)
-    TAIL=20 step layer_tests 140 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"
+    TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"
     step kernel_tests 90 python -m pytest -v tests/gpu/test_kernel.py
     TAIL=20 step serving_dynamic 200 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k "not static"
     ;;

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_tokenweave.ops.validate import COMMS, Comm
+
 Backend = Literal["auto", "kernel", "reference"]
 _BACKENDS = ("auto", "kernel", "reference")
 ENV_PREFIX = "TOKENWEAVE_"
@@ -31,6 +33,10 @@ class TokenWeaveConfig:
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
     backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
         (the kernel where every TP rank is on this node with peer access, else reference).
+    comm: how the fused op communicates: "fused" (the backend above: one P2P kernel does the
+        all-reduce, residual add and norm) or "collectives" (torch.distributed collectives in the
+        activations' dtype, then add and norm: the stock mechanism, which NCCL runs faster than
+        the kernel at large token counts on some machines; split or not like the kernel).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
     tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
         TP size, hidden size and dtype, from the cache or the shipped ones, overrides the split
@@ -46,6 +52,7 @@ class TokenWeaveConfig:
     gemm_sm_carveout: int = 0
     max_tokens: int = 16384
     backend: Backend = "auto"
+    comm: Comm = "fused"
     defer_across_layers: bool = True
     tuning_table: str = "auto"
 
@@ -64,6 +71,8 @@ class TokenWeaveConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.comm not in COMMS:
+            raise ValueError(f"comm must be one of {COMMS}, got {self.comm!r}")
 
     @classmethod
     def from_env(cls, base: TokenWeaveConfig | None = None) -> TokenWeaveConfig:

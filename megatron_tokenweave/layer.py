@@ -159,7 +159,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         ws.check_capacity(chunks * n)
         if handoff is None:  # once per forward of a block: its first layer
             ws.raise_if_kernel_failed()
-        plan = get_policy(cfg, TableKey.of(x.device, world, hidden, x.dtype)).plan(chunks * n)
+        key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp))
+        plan = get_policy(cfg, key).plan(chunks * n)
         halves = plan_halves(n, chunks, cfg, plan.split)
         side = self._chain.side_stream(x.device)
         split = len(halves) > 1
@@ -191,11 +192,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             normed_out = half.of(normed) if weight is not None else None
             args = (ws, partials[i], src[rows], weight, eps, residual[rows], normed_out, layout)
             if not split:
-                fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone, validate)
+                fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone, validate, plan.comm)
                 events.append(None)
                 return
             with side.run():
-                fused_allreduce_rmsnorm(*args, ctas, validate)
+                fused_allreduce_rmsnorm(*args, ctas, validate, plan.comm)
             events.append(side.record())
 
         # The split GEMMs may leave SMs to the kernel beside them (plan.gemm_sm_carveout).

@@ -1,10 +1,12 @@
 """Split policy: per forward, whether to split the tokens and how many CTAs the kernel gets.
 
-Chosen from a tuning table measured for (GPU, TP size, hidden size, dtype) by
+Chosen from a tuning table measured for (GPU, TP size, hidden size, dtype, layout, MoE or dense) by
 `python -m megatron_tokenweave.tune`, else from TokenWeaveConfig. Tables are JSON:
 
     {"gpu": "NVIDIA H200", "tp": 2, "hidden": 8192, "dtype": "bfloat16",
-     "entries": [{"min_tokens": 0, "split": false, "comm_ctas_alone": 64}, ...]}
+     "sequence_parallel": false, "moe": false,
+     "entries": [{"min_tokens": 0, "split": false, "comm_ctas_alone": 64},
+                 {"min_tokens": 8192, "split": true, "comm": "collectives"}, ...]}
 
 An entry applies from `min_tokens` (tokens of one forward, all shards) up to the next entry.
 """
@@ -23,21 +25,24 @@ import torch
 
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.log import log_once
+from megatron_tokenweave.ops.validate import COMMS
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
-TUNABLE = ("comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone", "gemm_sm_carveout")
+TUNABLE = ("comm", "comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone", "gemm_sm_carveout")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one forward does: split or not, and the kernel's CTAs in each phase."""
+    """What one forward does: split or not, the communication mechanism, and the kernel's CTAs
+    in each phase."""
 
     split: bool
     comm_ctas_attn: int
     comm_ctas_mlp: int
     comm_ctas_alone: int
     gemm_sm_carveout: int = 0
+    comm: str = "fused"
 
 
 @dataclass(frozen=True)
@@ -46,11 +51,23 @@ class TableKey:
     tp: int
     hidden: int
     dtype: str
+    sequence_parallel: bool
+    moe: bool = False  # MoE layers pay more per split (two dispatches): they get their own table
 
     @classmethod
-    def of(cls, device: torch.device, tp: int, hidden: int, dtype: torch.dtype) -> TableKey:
+    def of(
+        cls, device: torch.device, tp: int, hidden: int, dtype: torch.dtype,
+        sequence_parallel: bool, moe: bool = False,
+    ) -> TableKey:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        return cls(gpu, tp, hidden, str(dtype).removeprefix("torch."))
+        dtype_name = str(dtype).removeprefix("torch.")
+        return cls(gpu, tp, hidden, dtype_name, bool(sequence_parallel), bool(moe))
+
+    def file_name(self) -> str:
+        layout = "sp" if self.sequence_parallel else "replicated"
+        kind = "_moe" if self.moe else ""
+        gpu = self.gpu.replace(" ", "_")
+        return f"{gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}_{layout}{kind}.json"
 
 
 def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
@@ -58,7 +75,10 @@ def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
     with open(path) as f:
         data = json.load(f)
     try:
-        key = TableKey(str(data["gpu"]), int(data["tp"]), int(data["hidden"]), str(data["dtype"]))
+        key = TableKey(
+            str(data["gpu"]), int(data["tp"]), int(data["hidden"]), str(data["dtype"]),
+            bool(data["sequence_parallel"]), bool(data.get("moe", False)),
+        )
         entries = sorted(data["entries"], key=lambda e: int(e["min_tokens"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a TokenWeave tuning table ({exc})") from None
@@ -66,6 +86,8 @@ def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
         unknown = set(entry) - {"min_tokens", "split", *TUNABLE}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)} in {entry}")
+        if entry.get("comm", "fused") not in COMMS:
+            raise ValueError(f"{path}: comm must be one of {COMMS} in {entry}")
     return key, entries
 
 
@@ -104,6 +126,7 @@ class SplitPolicy:
             comm_ctas_mlp=self.cfg.comm_ctas_mlp,
             comm_ctas_alone=self.cfg.comm_ctas_alone,
             gemm_sm_carveout=self.cfg.gemm_sm_carveout,
+            comm=self.cfg.comm,
         )
         chosen = None
         for entry in self.entries:

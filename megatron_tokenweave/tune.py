@@ -2,10 +2,12 @@
 
     python -m megatron_tokenweave.tune --model llama-3.3-70b --tp 2
 
-For every token count of the grid it times, interleaved and as CUDA-graph replays, a block of
-TokenWeave layers with the tokens not split (several CTA counts) and split (several CTA counts
-per phase), and keeps the fastest. The table goes to the cache that `TokenWeaveConfig(tuning_table=
-"auto")` reads (~/.cache/megatron_tokenweave/tuning/, or TOKENWEAVE_CACHE), or to --out.
+For each layout (replicated, sequence parallel) and every token count of the grid it times,
+interleaved and as CUDA-graph replays (MoE shapes eagerly), a block of TokenWeave layers with
+the tokens not split (several CTA counts) and split (several CTA counts per phase), and the same
+with the stock collectives instead of the fused kernel, and keeps the fastest. One table per
+layout goes to the cache that `TokenWeaveConfig(tuning_table="auto")` reads
+(~/.cache/megatron_tokenweave/tuning/, or TOKENWEAVE_CACHE), or to --out-dir.
 A few dozen candidates: minutes, not TokenWeave's day-long grid search.
 """
 
@@ -25,23 +27,21 @@ from megatron_tokenweave.models import SHAPES, Shape, llama_config
 from megatron_tokenweave.policy import CACHE_DIR, TableKey
 
 NEVER = 1 << 40
-ALONE_CTAS = (16, 32, 64, 128)
-SPLIT_CTAS = ((8, 8), (16, 16), (32, 32), (16, 32), (32, 16))
-CARVEOUT = ((8, 8), (16, 16))  # (ctas, SMs the split GEMMs leave free)
+ALONE_CTAS = (32, 64, 128)
+SPLIT_CTAS = ((8, 8), (16, 16), (32, 32))
 
 
 def candidates() -> dict[str, dict]:
-    """Name -> TokenWeaveConfig overrides of every candidate plan."""
+    """Name -> TokenWeaveConfig overrides of every candidate plan: the fused kernel unsplit and
+    split at several CTA counts, and the stock collectives unsplit and split (on the side stream).
+    (A GEMM SM carve-out lost everywhere it was measured, so it is not searched.)"""
     out = {f"alone{c}": dict(split_threshold=NEVER, comm_ctas_alone=c) for c in ALONE_CTAS}
     out.update({
         f"split{a}/{m}": dict(split_threshold=0, comm_ctas_attn=a, comm_ctas_mlp=m)
         for a, m in SPLIT_CTAS
     })
-    out.update({
-        f"split{c}/{c}c{sms}": dict(split_threshold=0, comm_ctas_attn=c, comm_ctas_mlp=c,
-                                    gemm_sm_carveout=sms)
-        for c, sms in CARVEOUT
-    })
+    out["collectives"] = dict(split_threshold=NEVER, comm="collectives")
+    out["collectives_split"] = dict(split_threshold=0, comm="collectives")
     return out
 
 
@@ -54,7 +54,7 @@ def _progress(done: int, total: int, text: str, start: float) -> None:
     sys.stdout.flush()
 
 
-def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> dict:
+def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list[dict]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -68,46 +68,52 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> dict
     initialize_model_parallel(world)
     use_te = te_available()
     dtype = torch.bfloat16
-    cfg = llama_config(shape, args.layers, world, sequence_parallel=args.sequence_parallel,
-                       bf16=True, params_dtype=dtype)
     base = TokenWeaveConfig(max_tokens=max(args.tokens), tuning_table="none")
-    spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base, **shape.spec_kwargs())
-    block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
-    rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
+    rope = RotaryEmbedding(kv_channels=shape.hidden // shape.heads, rotary_percent=1.0)
     plans = candidates()
-    total, done, start = len(args.tokens) * len(plans), 0, time.time()
-    entries, measured = [], {}
-    for tokens in args.tokens:
-        seq = tokens
-        local = seq // world if args.sequence_parallel else seq
-        x = torch.randn(local, 1, shape.hidden, device="cuda", dtype=dtype)
-        rpe = rope(seq)
-        replays = {}
-        with torch.no_grad():
-            for name, overrides in plans.items():
-                for layer in block.layers:
-                    layer.tokenweave_config = dataclasses.replace(base, **overrides)
-                replays[name] = graphed(
-                    lambda i, x=x, rpe=rpe: block(hidden_states=x, attention_mask=None,
-                                                  rotary_pos_emb=rpe)
-                )
-                done += 1
-                if rank == 0:
-                    _progress(done, total, f"T={tokens} {name}", start)
-            times = interleaved_medians(replays, iters=args.iters, warmup=3)
-        del replays
+    total, done, start = len(args.layouts) * len(args.tokens) * len(plans), 0, time.time()
+    tables = []
+    for layout in args.layouts:
+        sp = layout == "sp"
+        cfg = llama_config(shape, args.layers, world, sequence_parallel=sp, bf16=True,
+                           params_dtype=dtype)
+        spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base, **shape.spec_kwargs())
+        block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
+        entries, measured, layout_start = [], {}, time.time()
+        for tokens in args.tokens:
+            x = torch.randn(tokens // world if sp else tokens, 1, shape.hidden, device="cuda",
+                            dtype=dtype)
+            rpe = rope(tokens)
+            replays = {}
+            with torch.no_grad():
+                for name, overrides in plans.items():
+                    for layer in block.layers:
+                        layer.tokenweave_config = dataclasses.replace(base, **overrides)
+                    def run(i, x=x, rpe=rpe, block=block):
+                        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=rpe)
+
+                    # Megatron's MoE dispatchers read token counts on the host: MoE runs eager.
+                    replays[name] = run if shape.experts else graphed(run)
+                    done += 1
+                    if rank == 0:
+                        _progress(done, total, f"{layout} T={tokens} {name}", start)
+                times = interleaved_medians(replays, iters=args.iters, warmup=3)
+            del replays
+            torch.cuda.empty_cache()
+            best = min(times, key=times.get)
+            measured[tokens] = {k: round(v, 1) for k, v in times.items()}
+            overrides = dict(plans[best])
+            entry = {"min_tokens": 0 if not entries else tokens,
+                     "split": overrides.pop("split_threshold") == 0, **overrides}
+            entries.append(entry)
+            if time.time() - layout_start > args.budget_s / len(args.layouts):
+                break
+        key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype, sp, bool(shape.experts))
+        tables.append({**dataclasses.asdict(key), "entries": entries, "measured_us": measured,
+                       "layers": args.layers})
+        del block
         torch.cuda.empty_cache()
-        best = min(times, key=times.get)
-        measured[tokens] = {k: round(v, 1) for k, v in times.items()}
-        overrides = dict(plans[best])
-        entry = {"min_tokens": 0 if not entries else tokens,
-                 "split": overrides.pop("split_threshold") == 0, **overrides}
-        entries.append(entry)
-        if time.time() - start > args.budget_s:
-            break
-    key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype)
-    return {**dataclasses.asdict(key), "entries": entries, "measured_us": measured,
-            "layers": args.layers, "sequence_parallel": args.sequence_parallel}
+    return tables
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,25 +125,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-groups", type=int)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--tokens", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--layouts", nargs="+", choices=["replicated", "sp"],
+                        default=["replicated", "sp"],
+                        help="replicated: what Megatron's inference engines run; sp: sequence "
+                             "parallel. Each layout gets its own table.")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop adding token counts")
-    parser.add_argument("--out", help="table path (default: the cache the layer reads)")
+    parser.add_argument("--out-dir", help="tables go here (default: the cache the layer reads)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.model]
     if args.hidden:
         shape = Shape(args.hidden, args.ffn, args.heads, args.kv_groups)
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"tuning needs {args.tp} GPUs on this machine")
-    table = spawn(_tune, args.tp, args, shape)[0]
-    name = f"{table['gpu'].replace(' ', '_')}_tp{table['tp']}_h{table['hidden']}_{table['dtype']}"
-    out = Path(args.out) if args.out else CACHE_DIR / "tuning" / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(table, indent=1))
-    print(f"\nwrote {out}")
-    for entry in table["entries"]:
-        print("  ", entry)
+    tables = spawn(_tune, args.tp, args, shape)[0]
+    out_dir = Path(args.out_dir) if args.out_dir else CACHE_DIR / "tuning"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print()
+    for table in tables:
+        key = TableKey(*(table[f.name] for f in dataclasses.fields(TableKey)))
+        out = out_dir / key.file_name()
+        table["command"] = "python -m megatron_tokenweave.tune " + " ".join(sys.argv[1:])
+        out.write_text(json.dumps(table, indent=1))
+        print(f"wrote {out}")
+        for entry in table["entries"]:
+            print("  ", entry)
 
 
 if __name__ == "__main__":

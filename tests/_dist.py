@@ -48,6 +48,25 @@ def record_fused_calls() -> Iterator[list[tuple[int, int]]]:
         layer_mod.fused_allreduce_rmsnorm = original
 
 
+@contextlib.contextmanager
+def record_collective_calls() -> Iterator[list[int]]:
+    """Record the rows of every fused-op call carried out by collectives (comm="collectives")."""
+    import megatron_tokenweave.ops.fused as fused_mod
+
+    calls: list[int] = []
+    original = fused_mod.allreduce_add_rmsnorm_collectives
+
+    def counting(partial, *args, **kwargs):
+        calls.append(int(partial.shape[1]))
+        return original(partial, *args, **kwargs)
+
+    fused_mod.allreduce_add_rmsnorm_collectives = counting
+    try:
+        yield calls
+    finally:
+        fused_mod.allreduce_add_rmsnorm_collectives = original
+
+
 def causal_mask(seq: int) -> torch.Tensor:
     """Megatron's boolean causal mask (True = masked), built on the CPU."""
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]

@@ -2,7 +2,8 @@
 
 Every case runs inside ONE spawned 2-rank job (module fixture); the tests below assert on what the
 ranks returned. Cases: token counts 1, 7, 64, 1000, 1024, 1031 x batch 1, 3 x sequence
-parallelism off/on x split forced (align 1) / split with align 128 and an offset / no split.
+parallelism off/on x split forced (align 1) / split with align 128 and an offset / no split /
+split forced with comm="collectives" (torch.distributed collectives instead of the fused op).
 The tokenweave model loads the stock model's state_dict with strict=True. With sequence
 parallelism it is built from `get_gpt_decoder_block_tokenweave_spec` and compared with the stock
 model WITHOUT sequence parallelism (same math; the stock local spec's final norm refuses SP).
@@ -10,12 +11,15 @@ model WITHOUT sequence parallelism (same math; the stock local spec's final norm
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from _dist import (
     build_model,
     forward,
     randomize_norms_,
+    record_collective_calls,
     record_fused_calls,
     rel_err,
     run_ranks,
@@ -36,7 +40,12 @@ SPLITS = {
         split_threshold=0, split_align=ALIGN, split_offset=OFFSET, tuning_table="none"
     ),
     "none": TokenWeaveConfig(split_threshold=10**9, tuning_table="none"),
+    # The stock mechanism (collectives in the activations' dtype) inside the woven schedule.
+    "collectives": TokenWeaveConfig(
+        split_threshold=0, split_align=1, comm="collectives", tuning_table="none"
+    ),
 }
+FORCED = ("forced", "collectives")  # split at the midpoint
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOW_PRECISION_CASES = ((3, 64), (1, 1000))  # (batch, tokens)
 SP_REFUSAL = "First dimension of the tensor should be divisible by tensor parallel size"
@@ -77,11 +86,12 @@ def _parity_worker(rank: int, world: int) -> dict:
                     except Exception as exc:  # noqa: BLE001 - reported to the parent
                         case["raised"] = (type(exc).__name__, str(exc))
                 else:
-                    with record_fused_calls() as calls:
+                    with record_fused_calls() as calls, record_collective_calls() as coll:
                         got = forward(model, tokens)
                     case["err"] = rel_err(got, want)
                     case["finite"] = bool(torch.isfinite(got).all())
                     case["calls"] = list(calls)
+                    case["collective_calls"] = list(coll)
                 results[(seq, batch, sp, split)] = case
     return results, _low_precision(world, state)
 
@@ -102,7 +112,6 @@ def _low_precision(world: int, state: dict) -> dict:
     """
     exact_model = build_model("stock", SHAPE, LAYERS, world)
     exact_model.load_state_dict(state, strict=True)
-    forced = SPLITS["forced"]
     gen = torch.Generator().manual_seed(23)
     results: dict = {}
     for flag, dtype in LOW_PRECISION.items():
@@ -110,10 +119,10 @@ def _low_precision(world: int, state: dict) -> dict:
         for cast in (True, False):
             stock = build_model("stock", SHAPE, LAYERS, world, **kwargs)
             stock.load_state_dict(state, strict=True)
-            for sp in (False, True) if cast else (False,):
+            for sp, comm in itertools.product((False, True) if cast else (False,), FORCED):
                 kind = "tokenweave_block" if sp else "tokenweave"
-                woven = build_model(kind, SHAPE, LAYERS, world, forced, sequence_parallel=sp,
-                                    **kwargs)
+                woven = build_model(kind, SHAPE, LAYERS, world, SPLITS[comm],
+                                    sequence_parallel=sp, **kwargs)
                 woven.load_state_dict(state, strict=True)
                 if cast:
                     stock, woven = stock.to(dtype), woven.to(dtype)
@@ -123,7 +132,7 @@ def _low_precision(world: int, state: dict) -> dict:
                     want, stock_error = _try_forward(stock, tokens)
                     with record_fused_calls() as calls:
                         got, error = _try_forward(woven, tokens)
-                    results[(flag, cast, sp, batch, seq)] = dict(
+                    results[(flag, cast, sp, comm, batch, seq)] = dict(
                         stock_error=stock_error,
                         error=error,
                         dtype=str(got.dtype) if got is not None else None,
@@ -200,12 +209,20 @@ def test_split_on_runs_two_halves(per_rank):
     halves, split at the midpoint: [0, rows // 2) and [rows // 2, rows)."""
     for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
         rows, _ = _expected_halves(seq, batch, sp, split)
-        if split != "forced" or rows < 2:
+        if split not in FORCED or rows < 2:
             continue
         chunks = 2 if sp else 1
         first_layer = case["calls"][:4]
         want = [(chunks, rows // 2), (chunks, rows - rows // 2)] * 2
         assert first_layer == want, (rank, seq, batch, sp)
+
+
+def test_comm_collectives_runs_every_call_through_collectives(per_rank):
+    """comm="collectives": every fused-op call of the layer went to the collectives path (and
+    no other configuration's did)."""
+    for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
+        want = [rows for _, rows in case["calls"]] if split == "collectives" else []
+        assert case["collective_calls"] == want, (rank, seq, batch, sp, split)
 
 
 def test_aligned_split_uses_alignment_and_offset(per_rank):
@@ -245,14 +262,14 @@ def test_sequence_parallel_refuses_lengths_not_divisible_by_tp(per_rank):
 @pytest.mark.parametrize("flag", sorted(LOW_PRECISION))
 def test_low_precision_within_rounding_of_fp32(low_precision, flag):
     """bf16/fp16 models (cast whole to the dtype, as Float16Module does), split forced, SP off
-    and on: the tokenweave logits are within 2 ulps of the dtype (relative to the largest logit)
-    of the fp32 stock model's, like the stock model's own low-precision logits, and the fused
-    path ran (4 calls per layer)."""
+    and on, fused op and collectives: the tokenweave logits are within 2 ulps of the dtype
+    (relative to the largest logit) of the fp32 stock model's, like the stock model's own
+    low-precision logits, and the woven path ran (4 calls per layer)."""
     dtype = LOW_PRECISION[flag]
     bound = 2 * torch.finfo(dtype).eps
     for rank, results in enumerate(low_precision):
         cases = {k: v for k, v in results.items() if k[0] == flag and k[1]}
-        assert len(cases) == 2 * len(LOW_PRECISION_CASES)
+        assert len(cases) == 2 * len(FORCED) * len(LOW_PRECISION_CASES)
         for key, case in cases.items():
             assert case["stock_error"] is None and case["error"] is None, (rank, key, case)
             assert case["dtype"] == str(dtype), (rank, key, case)

@@ -10,7 +10,7 @@ import torch
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.policy import Plan, SplitPolicy, TableKey, load_table
 
-KEY = TableKey("NVIDIA H200", 2, 8192, "bfloat16")
+KEY = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False)
 ENTRIES = [
     {"min_tokens": 0, "split": False, "comm_ctas_alone": 64},
     {"min_tokens": 2048, "split": True, "comm_ctas_attn": 8, "comm_ctas_mlp": 32},
@@ -20,7 +20,8 @@ ENTRIES = [
 def _write(tmp_path, key=KEY, entries=ENTRIES, name="t.json"):
     path = tmp_path / name
     path.write_text(json.dumps({"gpu": key.gpu, "tp": key.tp, "hidden": key.hidden,
-                                "dtype": key.dtype, "entries": entries}))
+                                "dtype": key.dtype, "sequence_parallel": key.sequence_parallel,
+                                "entries": entries}))
     return str(path)
 
 
@@ -43,7 +44,7 @@ def test_table_entries_apply_by_token_count(tmp_path):
 def test_auto_ignores_tables_of_other_keys(tmp_path, monkeypatch):
     import megatron_tokenweave.policy as policy_mod
 
-    other = TableKey("NVIDIA A100", 2, 8192, "bfloat16")
+    other = TableKey("NVIDIA A100", 2, 8192, "bfloat16", False)
     monkeypatch.setattr(policy_mod, "SHIPPED_TABLES", tmp_path)
     monkeypatch.setattr(policy_mod, "CACHE_DIR", tmp_path / "cache")
     _write(tmp_path, key=other)
@@ -53,7 +54,7 @@ def test_auto_ignores_tables_of_other_keys(tmp_path, monkeypatch):
 
 
 def test_explicit_table_without_matching_key_raises(tmp_path):
-    cfg = TokenWeaveConfig(tuning_table=_write(tmp_path, key=TableKey("x", 4, 1, "float16")))
+    cfg = TokenWeaveConfig(tuning_table=_write(tmp_path, key=TableKey("x", 4, 1, "float16", False)))
     with pytest.raises(ValueError, match="has no table"):
         SplitPolicy(cfg, KEY)
 
@@ -61,6 +62,7 @@ def test_explicit_table_without_matching_key_raises(tmp_path):
 def test_malformed_table_raises(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"gpu": "g", "tp": 2, "hidden": 8, "dtype": "bfloat16",
+                                "sequence_parallel": False,
                                 "entries": [{"min_tokens": 0, "ctas": 3}]}))
     with pytest.raises(ValueError, match="unknown fields"):
         load_table(path)
@@ -70,8 +72,40 @@ def test_malformed_table_raises(tmp_path):
 
 
 def test_table_key_of_cpu():
-    key = TableKey.of(torch.device("cpu"), 2, 64, torch.float32)
-    assert key == TableKey("cpu", 2, 64, "float32")
+    key = TableKey.of(torch.device("cpu"), 2, 64, torch.float32, True)
+    assert key == TableKey("cpu", 2, 64, "float32", True)
+    assert key.file_name() == "cpu_tp2_h64_float32_sp.json"
+
+
+def test_layouts_have_their_own_tables(tmp_path, monkeypatch):
+    """The replicated and sequence-parallel layouts move different bytes: a table measured for
+    one is never applied to the other."""
+    import megatron_tokenweave.policy as policy_mod
+
+    monkeypatch.setattr(policy_mod, "SHIPPED_TABLES", tmp_path)
+    monkeypatch.setattr(policy_mod, "CACHE_DIR", tmp_path / "cache")
+    sp_key = TableKey(KEY.gpu, KEY.tp, KEY.hidden, KEY.dtype, True)
+    _write(tmp_path, key=sp_key, entries=[{"min_tokens": 0, "comm_ctas_alone": 7}], name="sp.json")
+    _write(tmp_path, entries=[{"min_tokens": 0, "comm_ctas_alone": 9}], name="rep.json")
+    cfg = TokenWeaveConfig(tuning_table="auto")
+    assert SplitPolicy(cfg, sp_key).plan(100).comm_ctas_alone == 7
+    assert SplitPolicy(cfg, KEY).plan(100).comm_ctas_alone == 9
+
+
+def test_table_entries_choose_the_comm_mechanism(tmp_path):
+    entries = [{"min_tokens": 0, "split": False},
+               {"min_tokens": 4096, "split": True, "comm": "collectives"}]
+    policy = SplitPolicy(TokenWeaveConfig(tuning_table=_write(tmp_path, entries=entries)), KEY)
+    assert policy.plan(4095).comm == "fused"
+    assert (policy.plan(4096).split, policy.plan(4096).comm) == (True, "collectives")
+    assert SplitPolicy(TokenWeaveConfig(comm="collectives", tuning_table="none"), KEY).plan(
+        1).comm == "collectives"
+
+
+def test_table_with_unknown_comm_raises(tmp_path):
+    path = _write(tmp_path, entries=[{"min_tokens": 0, "comm": "nvls"}])
+    with pytest.raises(ValueError, match="comm must be one of"):
+        load_table(path)
 
 
 def _layer_follows_table(rank: int, world: int, table: str) -> list[tuple[int, int]]:
@@ -96,7 +130,7 @@ def test_layer_plans_from_the_table(tmp_path):
     64 tokens one fused op per row-parallel linear, from 64 on two (one per half)."""
     from _dist import run_ranks
 
-    key = TableKey("cpu", 2, 64, "float32")
+    key = TableKey("cpu", 2, 64, "float32", False)
     table = _write(tmp_path, key=key, entries=[{"min_tokens": 0, "split": False},
                                                {"min_tokens": 64, "split": True}])
     for counts in run_ranks(_layer_follows_table, table):

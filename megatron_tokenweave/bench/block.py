@@ -8,6 +8,7 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
   <stock>         Megatron's TE spec (`te`) when TE imports, else its local spec (`local`)
   <stock>_nocomm  the same with the row-parallel all-reduce made a no-op (the ceiling)
   tokenweave      the TokenWeave spec (replicated layout, like the stock spec), default config
+                  (split, mechanism and CTAs per token count from the tuned table)
   tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
   tokenweave_sp_split / _nosplit  the same, always / never split (to place the threshold)
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
@@ -110,7 +111,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
         attn = (lambda spec: spec) if use_te else with_sdpa
         blocks = {stock_name: TransformerBlock(cfg, attn(stock_spec))}
-        for name, (sp, overrides) in VARIANTS.items():
+        variants = {name: VARIANTS[name] for name in args.variants}
+        for name, (sp, overrides) in variants.items():
             block_cfg = cfg_sp if sp else cfg
             tw_cfg = dataclasses.replace(base_cfg, **overrides)
             spec = get_gpt_decoder_block_tokenweave_spec(block_cfg, use_te, tw_cfg, **extra)
@@ -145,7 +147,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                     stock_name: (blocks[stock_name], inputs, False),
                     f"{stock_name}_nocomm": (blocks[stock_name], inputs, True),
                     **{name: (blocks[name], inputs_sp if sp else inputs, False)
-                       for name, (sp, _) in VARIANTS.items()},
+                       for name, (sp, _) in variants.items()},
                 }
                 med = {}
                 with torch.no_grad():
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="TokenWeave variants to time beside the stock spec and its ceiling")
     parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"],
                         choices=["graph", "eager"],

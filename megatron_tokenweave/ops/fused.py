@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
-from megatron_tokenweave.ops.validate import Layout
+from megatron_tokenweave.ops.validate import Comm, Layout, check_fused_args
 
 if TYPE_CHECKING:
     from megatron_tokenweave.workspace import Workspace
@@ -24,6 +26,7 @@ def fused_allreduce_rmsnorm(
     layout: Layout,
     ctas: int = 16,
     validate: bool = True,
+    comm: Comm = "fused",
 ) -> None:
     """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
 
@@ -37,8 +40,18 @@ def fused_allreduce_rmsnorm(
     ctas: CTAs the kernel may use (ignored by the reference).
     validate: check the arguments (the layer checks once per layer, then builds them the same
         way every call; the reference always checks).
+    comm: "fused" runs the workspace's backend (the P2P kernel, or the fp32 reference);
+        "collectives" runs torch.distributed collectives in the activations' dtype plus a separate
+        add and norm (the stock mechanism; reduces in place in `partial`).
     """
-    if workspace.backend == "kernel":
+    if comm == "collectives":
+        if validate:
+            world = dist.get_world_size(workspace.group)
+            check_fused_args(partial, residual, weight, residual_out, normed_out, layout, world)
+        allreduce_add_rmsnorm_collectives(
+            partial, residual, weight, eps, residual_out, normed_out, layout, workspace.group
+        )
+    elif workspace.backend == "kernel":
         from megatron_tokenweave import kernels
 
         kernels.fused_allreduce_rmsnorm(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
+Comm = Literal["fused", "collectives"]
+COMMS: tuple[str, ...] = ("fused", "collectives")
 
 
 class Layout(str, enum.Enum):

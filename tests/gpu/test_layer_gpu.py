@@ -82,9 +82,13 @@ def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
     layer_mod.fused_allreduce_rmsnorm = counting
     results = []
     for sp in (False, True):
-        for backend in ("kernel",) if te else ("kernel", "reference"):
+        mechanisms = [("kernel", "fused"), ("kernel", "collectives")]
+        if not te:
+            mechanisms.append(("reference", "fused"))
+        for backend, comm in mechanisms:
             for split in ({"split_threshold": 0}, {}):
-                stock, tw, golden = _build(world, sp, {"backend": backend, **split}, te=te)
+                tw_kwargs = {"backend": backend, "comm": comm, **split}
+                stock, tw, golden = _build(world, sp, tw_kwargs, te=te)
                 for seq, batch in SHAPES:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
@@ -98,9 +102,8 @@ def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
                         out = tw(tokens, pos, attention_mask=None).float()
                     err_stock = ((ref - gold).norm() / gold.norm()).item()
                     err_tw = ((out - gold).norm() / gold.norm()).item()
-                    results.append(
-                        (sp, backend, bool(split), seq, batch, err_stock, err_tw, len(calls))
-                    )
+                    results.append((sp, f"{backend}/{comm}", bool(split), seq, batch,
+                                    err_stock, err_tw, len(calls)))
                 del stock, tw, golden
     return results
 
