@@ -159,7 +159,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         ws.check_capacity(chunks * n)
         if handoff is None:  # once per forward of a block: its first layer
             ws.raise_if_kernel_failed()
-        key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp))
+        graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp), graphs)
         plan = get_policy(cfg, key).plan(chunks * n)
         halves = plan_halves(n, chunks, cfg, plan.split)
         side = self._chain.side_stream(x.device)

@@ -1,10 +1,11 @@
 """Split policy: per forward, whether to split the tokens and how many CTAs the kernel gets.
 
-Chosen from a tuning table measured for (GPU, TP size, hidden size, dtype, layout, MoE or dense) by
+Chosen from a tuning table measured for (GPU, TP size, hidden size, dtype, layout, MoE or dense,
+CUDA graphs or eager) by
 `python -m megatron_tokenweave.tune`, else from TokenWeaveConfig. Tables are JSON:
 
     {"gpu": "NVIDIA H200", "tp": 2, "hidden": 8192, "dtype": "bfloat16",
-     "sequence_parallel": false, "moe": false,
+     "sequence_parallel": false, "moe": false, "cuda_graphs": true,
      "entries": [{"min_tokens": 0, "split": false, "comm_ctas_alone": 64},
                  {"min_tokens": 8192, "split": true, "comm": "collectives"}, ...]}
 
@@ -53,21 +54,26 @@ class TableKey:
     dtype: str
     sequence_parallel: bool
     moe: bool = False  # MoE layers pay more per split (two dispatches): they get their own table
+    # Captured in a CUDA graph or run eagerly: a split doubles the launches, which eager
+    # execution pays on the host (measured: the split wins graphed at 4K-8K tokens, loses eager).
+    cuda_graphs: bool = True
 
     @classmethod
     def of(
         cls, device: torch.device, tp: int, hidden: int, dtype: torch.dtype,
-        sequence_parallel: bool, moe: bool = False,
+        sequence_parallel: bool, moe: bool = False, cuda_graphs: bool = True,
     ) -> TableKey:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         dtype_name = str(dtype).removeprefix("torch.")
-        return cls(gpu, tp, hidden, dtype_name, bool(sequence_parallel), bool(moe))
+        return cls(gpu, tp, hidden, dtype_name, bool(sequence_parallel), bool(moe),
+                   bool(cuda_graphs))
 
     def file_name(self) -> str:
         layout = "sp" if self.sequence_parallel else "replicated"
         kind = "_moe" if self.moe else ""
+        mode = "" if self.cuda_graphs else "_eager"
         gpu = self.gpu.replace(" ", "_")
-        return f"{gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}_{layout}{kind}.json"
+        return f"{gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}_{layout}{kind}{mode}.json"
 
 
 def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
@@ -78,6 +84,7 @@ def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
         key = TableKey(
             str(data["gpu"]), int(data["tp"]), int(data["hidden"]), str(data["dtype"]),
             bool(data["sequence_parallel"]), bool(data.get("moe", False)),
+            bool(data.get("cuda_graphs", True)),
         )
         entries = sorted(data["entries"], key=lambda e: int(e["min_tokens"]))
     except (KeyError, TypeError, ValueError) as exc:
@@ -109,11 +116,16 @@ class SplitPolicy:
         )
 
     def _find_entries(self) -> list[dict]:
-        for path in self._candidates():
-            key, entries = load_table(path)
-            if key == self.key:
-                log_once(f"table:{path}", f"TokenWeave: split policy from {path}")
-                return entries
+        """The table of this key; else the one measured in the other execution mode (closer to
+        this machine than the config's defaults)."""
+        other_mode = dataclasses.replace(self.key, cuda_graphs=not self.key.cuda_graphs)
+        tables = [(path, *load_table(path)) for path in self._candidates()]
+        for want in (self.key, other_mode):
+            for path, key, entries in tables:
+                if key == want:
+                    log_once(f"table:{path}:{self.key}",
+                             f"TokenWeave: split policy for {self.key} from {path}")
+                    return entries
         if self.cfg.tuning_table not in ("auto", "", "none"):
             raise ValueError(f"{self.cfg.tuning_table} has no table for {self.key}")
         return []

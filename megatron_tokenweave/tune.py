@@ -2,12 +2,13 @@
 
     python -m megatron_tokenweave.tune --model llama-3.3-70b --tp 2
 
-For each layout (replicated, sequence parallel) and every token count of the grid it times,
-interleaved and as CUDA-graph replays (MoE shapes eagerly), a block of TokenWeave layers with
-the tokens not split (several CTA counts) and split (several CTA counts per phase), and the same
-with the stock collectives instead of the fused kernel, and keeps the fastest. One table per
-layout goes to the cache that `TokenWeaveConfig(tuning_table="auto")` reads
-(~/.cache/megatron_tokenweave/tuning/, or TOKENWEAVE_CACHE), or to --out-dir.
+For each layout (replicated, sequence parallel), each execution mode (CUDA-graph replays, eager
+forwards; MoE shapes eager only) and every token count of the grid it times, interleaved, a
+block of TokenWeave layers with the tokens not split (several CTA counts) and split (several CTA
+counts per phase), and the same with the stock collectives instead of the fused kernel, and
+keeps the fastest. One table per layout and mode goes to the cache that
+`TokenWeaveConfig(tuning_table="auto")` reads (~/.cache/megatron_tokenweave/tuning/, or
+TOKENWEAVE_CACHE), or to --out-dir.
 A few dozen candidates: minutes, not TokenWeave's day-long grid search.
 """
 
@@ -71,46 +72,51 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
     base = TokenWeaveConfig(max_tokens=max(args.tokens), tuning_table="none")
     rope = RotaryEmbedding(kv_channels=shape.hidden // shape.heads, rotary_percent=1.0)
     plans = candidates()
-    total, done, start = len(args.layouts) * len(args.tokens) * len(plans), 0, time.time()
-    tables = []
+    # Megatron's MoE dispatchers read token counts on the host: MoE runs eager only.
+    modes = ["eager"] if shape.experts else args.modes
+    total = len(args.layouts) * len(modes) * len(args.tokens) * len(plans)
+    done, start, tables = 0, time.time(), []
     for layout in args.layouts:
         sp = layout == "sp"
         cfg = llama_config(shape, args.layers, world, sequence_parallel=sp, bf16=True,
                            params_dtype=dtype)
         spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base, **shape.spec_kwargs())
         block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
-        entries, measured, layout_start = [], {}, time.time()
-        for tokens in args.tokens:
-            x = torch.randn(tokens // world if sp else tokens, 1, shape.hidden, device="cuda",
-                            dtype=dtype)
-            rpe = rope(tokens)
-            replays = {}
-            with torch.no_grad():
-                for name, overrides in plans.items():
-                    for layer in block.layers:
-                        layer.tokenweave_config = dataclasses.replace(base, **overrides)
-                    def run(i, x=x, rpe=rpe, block=block):
-                        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=rpe)
+        for mode in modes:
+            entries, measured, table_start = [], {}, time.time()
+            for tokens in args.tokens:
+                x = torch.randn(tokens // world if sp else tokens, 1, shape.hidden, device="cuda",
+                                dtype=dtype)
+                rpe = rope(tokens)
+                runs = {}
+                with torch.no_grad():
+                    for name, overrides in plans.items():
+                        for layer in block.layers:
+                            layer.tokenweave_config = dataclasses.replace(base, **overrides)
 
-                    # Megatron's MoE dispatchers read token counts on the host: MoE runs eager.
-                    replays[name] = run if shape.experts else graphed(run)
-                    done += 1
-                    if rank == 0:
-                        _progress(done, total, f"{layout} T={tokens} {name}", start)
-                times = interleaved_medians(replays, iters=args.iters, warmup=3)
-            del replays
-            torch.cuda.empty_cache()
-            best = min(times, key=times.get)
-            measured[tokens] = {k: round(v, 1) for k, v in times.items()}
-            overrides = dict(plans[best])
-            entry = {"min_tokens": 0 if not entries else tokens,
-                     "split": overrides.pop("split_threshold") == 0, **overrides}
-            entries.append(entry)
-            if time.time() - layout_start > args.budget_s / len(args.layouts):
-                break
-        key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype, sp, bool(shape.experts))
-        tables.append({**dataclasses.asdict(key), "entries": entries, "measured_us": measured,
-                       "layers": args.layers})
+                        def run(i, x=x, rpe=rpe, block=block):
+                            return block(hidden_states=x, attention_mask=None,
+                                         rotary_pos_emb=rpe)
+
+                        runs[name] = graphed(run) if mode == "graph" else run
+                        done += 1
+                        if rank == 0:
+                            _progress(done, total, f"{layout} {mode} T={tokens} {name}", start)
+                    times = interleaved_medians(runs, iters=args.iters, warmup=3)
+                del runs
+                torch.cuda.empty_cache()
+                best = min(times, key=times.get)
+                measured[tokens] = {k: round(v, 1) for k, v in times.items()}
+                overrides = dict(plans[best])
+                entry = {"min_tokens": 0 if not entries else tokens,
+                         "split": overrides.pop("split_threshold") == 0, **overrides}
+                entries.append(entry)
+                if time.time() - table_start > args.budget_s / (len(args.layouts) * len(modes)):
+                    break
+            key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype, sp,
+                              bool(shape.experts), mode == "graph")
+            tables.append({**dataclasses.asdict(key), "entries": entries,
+                           "measured_us": measured, "layers": args.layers})
         del block
         torch.cuda.empty_cache()
     return tables
@@ -130,6 +136,10 @@ def main(argv: list[str] | None = None) -> None:
                         default=["replicated", "sp"],
                         help="replicated: what Megatron's inference engines run; sp: sequence "
                              "parallel. Each layout gets its own table.")
+    parser.add_argument("--modes", nargs="+", choices=["graph", "eager"],
+                        default=["graph", "eager"],
+                        help="time CUDA-graph replays and/or eager forwards (each its own table; "
+                             "MoE shapes: eager only)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop adding token counts")
     parser.add_argument("--out-dir", help="tables go here (default: the cache the layer reads)")

@@ -11,6 +11,7 @@ from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.policy import Plan, SplitPolicy, TableKey, load_table
 
 KEY = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False)
+NEVER_SPLIT = 1 << 40
 ENTRIES = [
     {"min_tokens": 0, "split": False, "comm_ctas_alone": 64},
     {"min_tokens": 2048, "split": True, "comm_ctas_attn": 8, "comm_ctas_mlp": 32},
@@ -135,3 +136,25 @@ def test_layer_plans_from_the_table(tmp_path):
                                                {"min_tokens": 64, "split": True}])
     for counts in run_ranks(_layer_follows_table, table):
         assert counts == [(32, 2 * 2), (128, 2 * 2 * 2)]
+
+
+def test_execution_modes_have_their_own_tables_with_fallback(tmp_path, monkeypatch):
+    """Eager forwards pay per launch on the host, graphs do not: each mode reads its own table,
+    and a mode without one reads the other mode's before falling back to the config."""
+    import megatron_tokenweave.policy as policy_mod
+
+    monkeypatch.setattr(policy_mod, "SHIPPED_TABLES", tmp_path)
+    monkeypatch.setattr(policy_mod, "CACHE_DIR", tmp_path / "cache")
+    eager = TableKey(KEY.gpu, KEY.tp, KEY.hidden, KEY.dtype, False, cuda_graphs=False)
+    assert eager.file_name().endswith("_replicated_eager.json")
+    _write(tmp_path, entries=[{"min_tokens": 0, "split": True}], name="graphs.json")
+    cfg = TokenWeaveConfig(split_threshold=NEVER_SPLIT, tuning_table="auto")
+    assert SplitPolicy(cfg, eager).plan(100).split is True  # only the graph table exists
+    path = tmp_path / "eager.json"
+    path.write_text(json.dumps({**json.loads(open(_write(tmp_path, name="e.json")).read()),
+                                "cuda_graphs": False,
+                                "entries": [{"min_tokens": 0, "split": False}]}))
+    (tmp_path / "e.json").unlink()
+    assert load_table(path)[0] == eager
+    assert SplitPolicy(cfg, eager).plan(100).split is False
+    assert SplitPolicy(cfg, KEY).plan(100).split is True

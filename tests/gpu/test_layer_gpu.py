@@ -97,7 +97,12 @@ def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
                     pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(batch, -1)
                     with torch.no_grad():
                         gold = golden(tokens, pos, attention_mask=None).float()
-                        ref = stock(tokens, pos, attention_mask=None).float()
+                        try:
+                            ref = stock(tokens, pos, attention_mask=None).float()
+                        except RuntimeError as exc:  # the stock spec cannot run this shape
+                            label = f"{backend}/{comm}"
+                            results.append((sp, label, bool(split), seq, batch, str(exc)))
+                            continue
                         calls.clear()
                         out = tw(tokens, pos, attention_mask=None).float()
                     err_stock = ((ref - gold).norm() / gold.norm()).item()
@@ -115,7 +120,15 @@ def test_logits_match_stock_spec_bf16():
 
 
 def _check_parity(results: list[tuple], stock: str) -> None:
-    assert results
+    """Every case the stock spec runs: TokenWeave within its error. TE 2.20's attention refuses
+    single-token inputs (get_qkv_layout: "The provided qkv memory layout is not supported!") in
+    the stock spec too; such cases are listed, and at most the 1-token shape may be one."""
+    refused = [r for r in results if len(r) == 6]
+    assert all(seq == 1 for _, _, _, seq, _, _ in refused), refused
+    if refused:
+        print(f"{stock} spec refused (sp, backend, split, seq, batch, error): {refused}")
+    results = [r for r in results if len(r) == 8]
+    assert len(results) >= len(refused) and results
     for sp, backend, split, seq, batch, err_stock, err_tw, calls in results:
         case = f"{stock} sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
         assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
