@@ -46,7 +46,7 @@ case "$phase" in
     TAIL=8 step te_parity 120 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
     TAIL=8 step serving 100 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
     TAIL=12 step e2e 200 python -m megatron_tokenweave.bench e2e --engine static --reps 3 \
-      --throughput-reps 1 --out "$out/e2e_tp2.json"
+      --throughput-reps 3 --out "$out/e2e_tp2.json"
     ;;
   more)
     TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"

@@ -6,9 +6,9 @@ For each layout (replicated, sequence parallel), each execution mode (CUDA-graph
 forwards; MoE shapes eager only) and every token count of the grid it times, interleaved, a
 block of TokenWeave layers with the tokens not split (several CTA counts) and split (several CTA
 counts per phase), and the same with the stock collectives instead of the fused kernel, and
-keeps the fastest. One table per layout and mode goes to the cache that
-`TokenWeaveConfig(tuning_table="auto")` reads (~/.cache/megatron_tokenweave/tuning/, or
-TOKENWEAVE_CACHE), or to --out-dir.
+keeps the fastest (the unsplit fused plan unless another wins by more than --min-gain). One
+table per layout and mode goes to the cache that `TokenWeaveConfig(tuning_table="auto")` reads
+(~/.cache/megatron_tokenweave/tuning/, or TOKENWEAVE_CACHE), or to --out-dir.
 A few dozen candidates: minutes, not TokenWeave's day-long grid search.
 """
 
@@ -44,6 +44,15 @@ def candidates() -> dict[str, dict]:
     out["collectives"] = dict(split_threshold=NEVER, comm="collectives")
     out["collectives_split"] = dict(split_threshold=0, comm="collectives")
     return out
+
+
+def pick(times: dict[str, float], min_gain: float) -> str:
+    """The fastest candidate, but the fastest unsplit fused plan (the simplest) unless another
+    beats it by more than `min_gain` (a fraction): differences inside the timing noise must not
+    flip a table to a split or to collectives."""
+    best = min(times, key=times.get)
+    simple = min((k for k in times if k.startswith("alone")), key=times.get)
+    return best if times[best] < (1.0 - min_gain) * times[simple] else simple
 
 
 def _progress(done: int, total: int, text: str, start: float) -> None:
@@ -102,10 +111,11 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                         done += 1
                         if rank == 0:
                             _progress(done, total, f"{layout} {mode} T={tokens} {name}", start)
-                    times = interleaved_medians(runs, iters=args.iters, warmup=3)
+                    iters = args.iters if mode == "graph" else 3 * args.iters  # eager: noisier
+                    times = interleaved_medians(runs, iters=iters, warmup=3)
                 del runs
                 torch.cuda.empty_cache()
-                best = min(times, key=times.get)
+                best = pick(times, args.min_gain)
                 measured[tokens] = {k: round(v, 1) for k, v in times.items()}
                 overrides = dict(plans[best])
                 entry = {"min_tokens": 0 if not entries else tokens,
@@ -140,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
                         default=["graph", "eager"],
                         help="time CUDA-graph replays and/or eager forwards (each its own table; "
                              "MoE shapes: eager only)")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=10, help="timings per candidate (eager: 3x)")
+    parser.add_argument("--min-gain", type=float, default=0.01,
+                        help="a split or collectives plan must beat the best unsplit fused plan "
+                             "by this fraction to be chosen")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop adding token counts")
     parser.add_argument("--out-dir", help="tables go here (default: the cache the layer reads)")
     args = parser.parse_args(argv)

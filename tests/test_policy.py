@@ -158,3 +158,14 @@ def test_execution_modes_have_their_own_tables_with_fallback(tmp_path, monkeypat
     assert load_table(path)[0] == eager
     assert SplitPolicy(cfg, eager).plan(100).split is False
     assert SplitPolicy(cfg, KEY).plan(100).split is True
+
+
+def test_tuner_keeps_the_simple_plan_inside_the_noise():
+    from megatron_tokenweave.tune import candidates, pick
+
+    assert {"alone64", "split16/16", "collectives", "collectives_split"} <= set(candidates())
+    times = {"alone64": 100.0, "alone128": 101.0, "split16/16": 99.5, "collectives": 99.8}
+    assert pick(times, min_gain=0.01) == "alone64"  # 0.5 % is noise
+    times["split16/16"] = 98.0
+    assert pick(times, min_gain=0.01) == "split16/16"
+    assert pick({"alone32": 5.0, "alone64": 4.0, "collectives": 4.5}, 0.01) == "alone64"

@@ -187,8 +187,9 @@ def _plot(result: dict, path: str) -> None:
     for i, model in enumerate(models):
         for j, batch in enumerate(batches):
             ax = axes[i][j]
-            sel = [r for r in result["rows"] if r["model"] == model and r["batch"] == batch
-                   and r.get("mode", "graph") == "graph"]
+            rows = [r for r in result["rows"] if r["model"] == model and r["batch"] == batch]
+            mode = "graph" if any(r.get("mode", "graph") == "graph" for r in rows) else "eager"
+            sel = [r for r in rows if r.get("mode", "graph") == mode]
             base = {r["tokens"]: r["us"] for r in sel if r["impl"] == stock}
             for impl in sorted({r["impl"] for r in sel}):
                 pts = sorted((r["tokens"], base[r["tokens"]] / r["us"]) for r in sel
@@ -196,7 +197,8 @@ def _plot(result: dict, path: str) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
             ax.set_xscale("log", base=2)
             ax.axhline(1.0, color="gray", lw=0.8)
-            ax.set_title(f"{model}, batch {batch}, TP={sel[0]['tp']}, CUDA graphs")
+            how = "CUDA graphs" if mode == "graph" else "eager"
+            ax.set_title(f"{model}, batch {batch}, TP={sel[0]['tp']}, {how}")
             ax.set_xlabel("tokens per forward")
             ax.set_ylabel(f"speed-up over {stock} (higher is better)")
             ax.legend()
