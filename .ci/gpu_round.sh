@@ -38,7 +38,7 @@ case "$phase" in
       --out "$out/block_tp2.json"
     TAIL=14 step tune_moe 130 python -m megatron_tokenweave.tune --model mixtral-8x7b \
       --iters 5 --budget-s 100
-    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*moe.json "$out/tables/"
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*_moe*.json "$out/tables/"
     TAIL=12 step block_moe 150 python -m megatron_tokenweave.bench block --iters 10 \
       --models mixtral-8x7b --variants tokenweave tokenweave_sp --out "$out/block_moe_tp2.json"
     ;;

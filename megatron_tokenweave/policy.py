@@ -26,7 +26,7 @@ import torch
 
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.log import log_once
-from megatron_tokenweave.ops.validate import COMMS
+from megatron_tokenweave.ops.validate import COMMS, Comm
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
@@ -43,7 +43,7 @@ class Plan:
     comm_ctas_mlp: int
     comm_ctas_alone: int
     gemm_sm_carveout: int = 0
-    comm: str = "fused"
+    comm: Comm = "fused"
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,10 @@ class SplitPolicy:
                 chosen = entry
         if chosen is None:
             return base
-        overrides = {k: v for k, v in chosen.items() if k != "min_tokens"}
+        # A table entry is a measured plan: what it does not name is what the tuner measured
+        # (the fused op, no carve-out), never the config's setting.
+        overrides = {"comm": "fused", "gemm_sm_carveout": 0}
+        overrides.update((k, v) for k, v in chosen.items() if k != "min_tokens")
         return dataclasses.replace(base, **overrides)
 
 

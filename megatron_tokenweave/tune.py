@@ -55,6 +55,15 @@ def pick(times: dict[str, float], min_gain: float) -> str:
     return best if times[best] < (1.0 - min_gain) * times[simple] else simple
 
 
+def _out_of_time(elapsed: float, budget: float) -> bool:
+    """Rank 0's clock decides for every rank, so all of them stop after the same token count."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(elapsed > budget)], device="cuda")
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def _progress(done: int, total: int, text: str, start: float) -> None:
     width = 30
     filled = width * done // total
@@ -83,6 +92,8 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
     plans = candidates()
     # Megatron's MoE dispatchers read token counts on the host: MoE runs eager only.
     modes = ["eager"] if shape.experts else args.modes
+    if shape.experts and "graph" in args.modes and rank == 0:
+        print("MoE shape: Megatron's dispatcher syncs with the host, tuning eager forwards only")
     total = len(args.layouts) * len(modes) * len(args.tokens) * len(plans)
     done, start, tables = 0, time.time(), []
     for layout in args.layouts:
@@ -93,7 +104,7 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
         block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
         for mode in modes:
             entries, measured, table_start = [], {}, time.time()
-            for tokens in args.tokens:
+            for tokens in sorted(args.tokens):
                 x = torch.randn(tokens // world if sp else tokens, 1, shape.hidden, device="cuda",
                                 dtype=dtype)
                 rpe = rope(tokens)
@@ -121,7 +132,8 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                 entry = {"min_tokens": 0 if not entries else tokens,
                          "split": overrides.pop("split_threshold") == 0, **overrides}
                 entries.append(entry)
-                if time.time() - table_start > args.budget_s / (len(args.layouts) * len(modes)):
+                if _out_of_time(time.time() - table_start,
+                                args.budget_s / (len(args.layouts) * len(modes))):
                     break
             key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype, sp,
                               bool(shape.experts), mode == "graph")

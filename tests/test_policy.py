@@ -169,3 +169,12 @@ def test_tuner_keeps_the_simple_plan_inside_the_noise():
     times["split16/16"] = 98.0
     assert pick(times, min_gain=0.01) == "split16/16"
     assert pick({"alone32": 5.0, "alone64": 4.0, "collectives": 4.5}, 0.01) == "alone64"
+
+
+def test_table_plans_do_not_inherit_the_configs_mechanism(tmp_path):
+    """A table entry is what the tuner measured: the fused op without a carve-out unless the
+    entry says otherwise, whatever the config's own `comm` / `gemm_sm_carveout` are."""
+    cfg = TokenWeaveConfig(comm="collectives", gemm_sm_carveout=16,
+                           tuning_table=_write(tmp_path))
+    plan = SplitPolicy(cfg, KEY).plan(100)
+    assert (plan.comm, plan.gemm_sm_carveout) == ("fused", 0)

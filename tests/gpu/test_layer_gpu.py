@@ -3,6 +3,8 @@ backend, and a CUDA-graph capture of a woven block. Skipped without 2 GPUs."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -192,12 +194,12 @@ def _graph(rank: int, world: int) -> list[float]:
     initialize_model_parallel(world)
     shape = Shape(1024, 2816, 8, 2, vocab=1024)
     errors = []
-    for sp in (False, True):
+    for sp, comm in itertools.product((False, True), ("fused", "collectives")):
         cfg = llama_config(shape, 3, world, sequence_parallel=sp, bf16=True,
                            params_dtype=torch.bfloat16)
-        spec = get_gpt_decoder_block_tokenweave_spec(
-            cfg, False, TokenWeaveConfig(split_threshold=256, max_tokens=4096, tuning_table="none")
-        )
+        tw_config = TokenWeaveConfig(split_threshold=256, max_tokens=4096, comm=comm,
+                                     tuning_table="none")
+        spec = get_gpt_decoder_block_tokenweave_spec(cfg, False, tw_config)
         block = TransformerBlock(cfg, spec).cuda().bfloat16().eval()
         rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
         for seq, batch in ((2, 4), (1024, 1)):
@@ -223,5 +225,5 @@ def _graph(rank: int, world: int) -> list[float]:
 
 def test_cuda_graph_replay_matches_eager():
     errors = spawn(_graph, 2)[0]
-    assert len(errors) == 2 * 2 * 20
+    assert len(errors) == 2 * 2 * 2 * 20  # layouts x mechanisms x shapes x replays
     assert max(errors) == 0.0, f"graph replay differs from eager: {max(errors)}"
