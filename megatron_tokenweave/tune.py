@@ -55,6 +55,26 @@ def pick(times: dict[str, float], min_gain: float) -> str:
     return best if times[best] < (1.0 - min_gain) * times[simple] else simple
 
 
+def _entry(min_tokens: int, name: str) -> dict:
+    overrides = dict(candidates()[name])
+    return {"min_tokens": min_tokens, "split": overrides.pop("split_threshold") == 0, **overrides}
+
+
+def table_entries(measured: dict[int, dict[str, float]], min_gain: float) -> list[dict]:
+    """Table entries from the measured times: from each measured token count on, its pick;
+    below the smallest one (decode, short prompts) the unsplit fused plan that was fastest there,
+    never a split measured only at a larger count."""
+    counts = sorted(measured)
+    if not counts:
+        return []
+    first = measured[counts[0]]
+    simple = min((k for k in first if k.startswith("alone")), key=first.get)
+    entries = [_entry(0, simple)]
+    for tokens in counts:
+        entries.append(_entry(tokens, pick(measured[tokens], min_gain)))
+    return entries
+
+
 def _out_of_time(elapsed: float, budget: float) -> bool:
     """Rank 0's clock decides for every rank, so all of them stop after the same token count."""
     import torch.distributed as dist
@@ -103,7 +123,7 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
         spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base, **shape.spec_kwargs())
         block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
         for mode in modes:
-            entries, measured, table_start = [], {}, time.time()
+            measured, table_start = {}, time.time()
             for tokens in sorted(args.tokens):
                 x = torch.randn(tokens // world if sp else tokens, 1, shape.hidden, device="cuda",
                                 dtype=dtype)
@@ -126,18 +146,14 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                     times = interleaved_medians(runs, iters=iters, warmup=3)
                 del runs
                 torch.cuda.empty_cache()
-                best = pick(times, args.min_gain)
                 measured[tokens] = {k: round(v, 1) for k, v in times.items()}
-                overrides = dict(plans[best])
-                entry = {"min_tokens": 0 if not entries else tokens,
-                         "split": overrides.pop("split_threshold") == 0, **overrides}
-                entries.append(entry)
                 if _out_of_time(time.time() - table_start,
                                 args.budget_s / (len(args.layouts) * len(modes))):
                     break
             key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype, sp,
                               bool(shape.experts), mode == "graph")
-            tables.append({**dataclasses.asdict(key), "entries": entries,
+            tables.append({**dataclasses.asdict(key),
+                           "entries": table_entries(measured, args.min_gain),
                            "measured_us": measured, "layers": args.layers})
         del block
         torch.cuda.empty_cache()

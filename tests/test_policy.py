@@ -178,3 +178,17 @@ def test_table_plans_do_not_inherit_the_configs_mechanism(tmp_path):
                            tuning_table=_write(tmp_path))
     plan = SplitPolicy(cfg, KEY).plan(100)
     assert (plan.comm, plan.gemm_sm_carveout) == ("fused", 0)
+
+
+def test_tuner_entries_start_unsplit_below_the_smallest_measured_count():
+    from megatron_tokenweave.tune import table_entries
+
+    measured = {
+        1024: {"alone64": 100.0, "alone128": 99.0, "split16/16": 80.0},
+        512: {"alone64": 50.0, "alone128": 52.0, "split16/16": 40.0},
+    }
+    entries = table_entries(measured, min_gain=0.01)
+    assert [e["min_tokens"] for e in entries] == [0, 512, 1024]
+    assert entries[0] == {"min_tokens": 0, "split": False, "comm_ctas_alone": 64}
+    assert entries[1]["split"] and entries[2]["split"]
+    assert table_entries({}, 0.01) == []
