@@ -2,11 +2,13 @@
 # A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
 # were received: ../shared/device/stage.sh base / te (/ fa4) and .ci/stage_serve.sh, carried in
 # back-to-back calls that each run `bash .dw/recv.sh` (base/small + te/p0, te/p1 + serve/small,
-# te/p2, te/p3, te/p4 + te/small with `pip install --no-build-isolation --no-deps -e .`: ~3 min;
-# one call carries at most 64 MiB).
+# te/p2, te/p3, te/p4 + te/small: ~1 min; one call carries at most 64 MiB). The first phase run
+# builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`
+# in a staging call did not build it on 2026-11-30).
 # Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
 #   tune   split-policy tables for the 70B/Qwen (hidden 8192) and 8B (hidden 4096) shapes, both
-#          layouts, on TE; copied to $OUT/tables (commit them as megatron_tokenweave/tables/)
+#          layouts, graph and eager, on TE; copied to $OUT/tables (commit them as
+#          megatron_tokenweave/tables/)
 #   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
 #          its block (eager)
 #   tests  TE-spec parity, static-engine serving, then the e2e benchmark
