@@ -159,8 +159,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         ws.check_capacity(chunks * n)
         if handoff is None:  # once per forward of a block: its first layer
             ws.raise_if_kernel_failed()
-        graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp), graphs)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp), capturing)
         plan = get_policy(cfg, key).plan(chunks * n)
         halves = plan_halves(n, chunks, cfg, plan.split)
         side = self._chain.side_stream(x.device)
@@ -236,7 +236,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 self._mlp_half(half.of(normed), partials[i], rank == 0)
                 launch(i, residual, next_norm, plan.comm_ctas_mlp, mlp_events)
 
-        defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs(x)
+        defer = (next_norm is not None and cfg.defer_across_layers
+                 and not self._layer_graphs(capturing))
         if not defer:
             for event in mlp_events:
                 side.wait(event)
@@ -258,11 +259,10 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         finally:
             mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
 
-    def _layer_graphs(self, x: torch.Tensor) -> bool:
+    def _layer_graphs(self, capturing: bool) -> bool:
         """Capturing a CUDA graph of this layer alone (Megatron's own cuda_graph_impl captures per
         layer): side-stream work may not outlive the layer. A graph of a whole block or model,
         captured by the caller, keeps the cross-layer deferral (its last layer joins)."""
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         return capturing and getattr(self.config, "cuda_graph_impl", "none") != "none"
 
     @staticmethod
