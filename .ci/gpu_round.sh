@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
-# were received: ../shared/device/stage.sh base / te (/ fa4) and .ci/stage_serve.sh, carried in
-# back-to-back calls that each run `bash .dw/recv.sh` (base/small + te/p0, te/p1 + serve/small,
-# te/p2, te/p3, te/p4 + te/small: ~1 min; one call carries at most 64 MiB). The first phase run
+# were received: ../shared/device/stage.sh base / te / fa4, .ci/stage_serve.sh and
+# .ci/stage_flashinfer.sh, carried in back-to-back calls that each run `bash .dw/recv.sh`
+# (one call carries at most 64 MiB; ~10 s each). The first phase run
 # builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`
 # in a staging call did not build it on 2026-11-30).
 # Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
@@ -11,8 +11,11 @@
 #          megatron_tokenweave/tables/)
 #   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
 #          its block (eager)
-#   tests  TE-spec parity, static-engine serving, then the e2e benchmark
-#   more   local-spec layer tests, kernel tests, dynamic engine / OpenAI server
+#   tests  TE-spec parity, static-engine serving, dynamic engine / OpenAI server (flash-attn-4),
+#          the woven block's CUDA-graph replay test
+#   e2e    the e2e benchmark (throughput through the dynamic engine if its tests passed in
+#          `tests`, else the static engine), then the kernel benchmark (FlashInfer if staged)
+#   more   local-spec layer tests, kernel tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -47,13 +50,20 @@ case "$phase" in
   tests)
     TAIL=8 step te_parity 120 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
     TAIL=8 step serving 100 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
-    TAIL=12 step e2e 200 python -m megatron_tokenweave.bench e2e --engine static --reps 3 \
+    TAIL=20 step serving_dynamic 240 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
+      -k "dynamic or openai" && touch /tmp/dynamic_ok
+    TAIL=8 step graph_replay 90 python -m pytest -v tests/gpu/test_layer_gpu.py -k graph_replay
+    ;;
+  e2e)
+    engine=static; [ -e /tmp/dynamic_ok ] && engine=auto
+    TAIL=12 step e2e 320 python -m megatron_tokenweave.bench e2e --engine "$engine" --reps 3 \
       --throughput-reps 3 --out "$out/e2e_tp2.json"
+    TAIL=40 step kernel 240 python -m megatron_tokenweave.bench kernel --ctas 8 16 32 64 \
+      --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
     ;;
   more)
     TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"
     step kernel_tests 90 python -m pytest -v tests/gpu/test_kernel.py
-    TAIL=20 step serving_dynamic 200 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k "not static"
     ;;
 esac
 exit 0

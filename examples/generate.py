@@ -21,8 +21,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.cpu_compat import cpu_inference_scope
     from megatron_tokenweave.launch import initialize_model_parallel
-    from megatron_tokenweave.models import Shape, stock_and_tokenweave
+    from megatron_tokenweave.models import Shape, clear_attention_backend_env, stock_and_tokenweave
     from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
         dynamic_llm,
         generated_tokens,
         greedy,
@@ -44,7 +45,13 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             engine = static_engine(model, tokenizer, len(args.prompt), max_seq)
             done = engine.generate(prompts=args.prompt, sampling_params=greedy(args.tokens))
             out[("static", name)] = generated_tokens(done)
-    if args.dynamic:
+    if args.dynamic:  # a pair built for the dynamic engine's attention (other random weights)
+        del models
+        clear_attention_backend_env()
+        models = dict(zip(("stock", "tokenweave"),
+                          stock_and_tokenweave(shape, args.layers, world, tw_config,
+                                               max_seq=max_seq, **dynamic_config_overrides()),
+                          strict=True))
         for name, model in models.items():
             llm = dynamic_llm(model, tokenizer, max_seq, max_requests=len(args.prompt),
                               chunk_tokens=256, buffer_size_gb=1.0)

@@ -26,14 +26,20 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron_tokenweave.cpu_compat import cpu_inference_scope
     from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.models import Shape, stock_and_tokenweave
-    from megatron_tokenweave.serving.engines import dynamic_llm, static_engine
+    from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
+        dynamic_llm,
+        static_engine,
+    )
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
     shape = Shape(args.hidden, 4 * args.hidden, 8, 4, vocab=256)
     capacity = args.max_batch * args.max_seq
     tw_config = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=capacity))
-    stock, woven = stock_and_tokenweave(shape, args.layers, world, tw_config, max_seq=args.max_seq)
+    overrides = dynamic_config_overrides() if args.server == "openai" else {}
+    stock, woven = stock_and_tokenweave(shape, args.layers, world, tw_config, max_seq=args.max_seq,
+                                        **overrides)
     model = woven if args.spec == "tokenweave" else stock
     tokenizer = ByteTokenizer(shape.vocab)
     if args.server == "openai":

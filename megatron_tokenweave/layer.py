@@ -17,9 +17,7 @@ Where the fused path does not apply, the stock TransformerLayer.forward runs (lo
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,7 +33,13 @@ from megatron_tokenweave.norm import norm_weight_eps
 from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
-from megatron_tokenweave.schedule import Half, Handoff, WeaveChain, plan_halves
+from megatron_tokenweave.schedule import (
+    Half,
+    Handoff,
+    WeaveChain,
+    gemm_sm_carveout,
+    plan_halves,
+)
 from megatron_tokenweave.workspace import get_workspace
 
 _CHAIN_ATTR = "_tokenweave_last_built_layer"
@@ -201,7 +205,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             events.append(side.record())
 
         # The split GEMMs may leave SMs to the kernel beside them (plan.gemm_sm_carveout).
-        with _gemm_sm_carveout(plan.gemm_sm_carveout if split else 0):
+        with gemm_sm_carveout(plan.gemm_sm_carveout if split else 0):
             # Attention: qkv per half as its input arrives, attention whole, proj per half.
             attn_events: list = []
             pre_mlp = _in_dtype(norm_weight_eps(self.pre_mlp_layernorm), x.dtype)
@@ -313,21 +317,3 @@ def _in_dtype(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype):
         return None
     weight, eps = norm
     return weight.to(dtype), eps
-
-
-@contextlib.contextmanager
-def _gemm_sm_carveout(sms: int) -> Iterator[None]:
-    """Inside the scope, cuBLASLt GEMMs target all but `sms` SMs (torch's experimental carve-out;
-    the setting is read when a GEMM is issued, so CUDA graphs keep it)."""
-    if sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        yield
-        return
-    previous_library = torch.backends.cuda.preferred_blas_library()
-    previous = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)
-        torch.backends.cuda.preferred_blas_library(previous_library)

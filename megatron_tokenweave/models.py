@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,20 @@ def llama_config(shape: Shape, num_layers: int, tp: int, **overrides: Any) -> Tr
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+# TE's attention-backend switches, which Megatron's GPTModel sets process-wide from its config
+# (language_module._set_attention_backend) and asserts unchanged at the next build.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN",
+                    "NVTE_FLASH_ATTN_V2", "NVTE_FLASH_ATTN_V3", "NVTE_FLASH_ATTN_V4")
+
+
+def clear_attention_backend_env() -> None:
+    """Forget the attention backend of the models built so far in this process, so a model of
+    another `attention_backend` / `flash_attention_version` can be built (tests and benchmarks
+    that build both; models built earlier then run with the new model's TE switches)."""
+    for name in TE_ATTENTION_ENV:
+        os.environ.pop(name, None)
 
 
 def build_gpt(

@@ -8,6 +8,8 @@ One spawned job runs everything; the tests assert on what the ranks returned.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _dist import build_model, randomize_norms_, record_fused_calls, run_ranks, setup_tp
@@ -140,3 +142,90 @@ def test_request_problem_accepts_good_requests(path, body):
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     assert request_problem(path, body, ByteTokenizer(), 4, 99) is None
+
+
+def _pretend_gpu(monkeypatch, capability: tuple[int, int], fa3: bool, fa4: bool) -> None:
+    from megatron.core.transformer import attention
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(attention, "HAVE_FA3", fa3, raising=False)
+    monkeypatch.setattr(attention, "HAVE_FA4", fa4, raising=False)
+
+
+def test_dynamic_engine_config_for_flash_attn_4_on_sm90(monkeypatch):
+    """flash-attn-4 alone on SM 9.0: the dynamic engine needs batch-invariant attention (no
+    split-KV); a config without it is refused with the fields it needs, one with it accepted."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_tokenweave.models import llama_config
+    from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
+        dynamic_engine_problem,
+    )
+
+    _pretend_gpu(monkeypatch, (9, 0), fa3=False, fa4=True)
+    overrides = dynamic_config_overrides()
+    assert overrides == dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash,
+                             flash_attention_version=4)
+    assert dynamic_engine_problem() is None
+    stock = llama_config(SHAPE, 1, 1)
+    problem = dynamic_engine_problem(stock)
+    assert problem is not None and "batch_invariant_mode" in problem
+    assert dynamic_engine_problem(llama_config(SHAPE, 1, 1, **overrides)) is None
+
+
+@pytest.mark.parametrize("capability, fa3, fa4, needs", [
+    ((9, 0), True, False, None),   # FA3 on Hopper: Megatron's defaults
+    ((10, 0), False, True, None),  # flash-attn-4 on Blackwell has split-KV
+    ((9, 0), False, False, "needs flash-attn"),
+])
+def test_dynamic_engine_config_elsewhere(monkeypatch, capability, fa3, fa4, needs):
+    from megatron_tokenweave.models import llama_config
+    from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
+        dynamic_engine_problem,
+    )
+
+    _pretend_gpu(monkeypatch, capability, fa3, fa4)
+    assert dynamic_config_overrides() == {}
+    problem = dynamic_engine_problem(llama_config(SHAPE, 1, 1))
+    assert problem is None if needs is None else needs in problem
+
+
+def test_dynamic_engine_refuses_without_cuda():
+    from megatron_tokenweave.serving.engines import dynamic_config_overrides, dynamic_engine_problem
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert dynamic_config_overrides() == {}
+    assert "needs CUDA" in dynamic_engine_problem()
+
+
+def test_models_of_two_attention_backends_in_one_process(monkeypatch, single_rank_group):
+    """Megatron's GPTModel pins TE's attention env vars from its config and refuses a model of
+    another backend later in the process; clear_attention_backend_env() lets tests and
+    benchmarks build both (the dynamic engine's pair after the static engine's)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+    from megatron_tokenweave.models import (
+        TE_ATTENTION_ENV,
+        build_gpt,
+        clear_attention_backend_env,
+        llama_config,
+        stock_layer_spec,
+    )
+
+    for name in TE_ATTENTION_ENV:
+        monkeypatch.setenv(name, "x")  # so that monkeypatch restores the original state
+        monkeypatch.delenv(name)
+    spec = stock_layer_spec(SHAPE, use_te=False)
+    with cpu_device_scope():
+        build_gpt(llama_config(SHAPE, 1, 1), spec, SHAPE.vocab, 16)
+        flash = llama_config(SHAPE, 1, 1, attention_backend=AttnBackend.flash)
+        with pytest.raises(AssertionError, match="NVTE_FUSED_ATTN"):
+            build_gpt(flash, spec, SHAPE.vocab, 16)
+        clear_attention_backend_env()
+        build_gpt(flash, spec, SHAPE.vocab, 16)
+    assert os.environ["NVTE_FUSED_ATTN"] == "0"

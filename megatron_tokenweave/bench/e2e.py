@@ -60,8 +60,9 @@ def _workload(args: argparse.Namespace, buckets: bool) -> list[str]:
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.launch import initialize_model_parallel
-    from megatron_tokenweave.models import stock_and_tokenweave
+    from megatron_tokenweave.models import clear_attention_backend_env, stock_and_tokenweave
     from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
         dynamic_engine_problem,
         dynamic_llm,
         greedy,
@@ -105,6 +106,13 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     # Throughput: mixed prompt lengths.
     use_dynamic = args.engine == "dynamic" or (
         args.engine == "auto" and dynamic_engine_problem() is None)
+    if use_dynamic and (overrides := dynamic_config_overrides()):
+        # The dynamic engine's attention needs other config fields: a pair of its own.
+        del stock, woven, models
+        torch.cuda.empty_cache()
+        clear_attention_backend_env()
+        models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(
+            shape, args.layers, world, tw_config, te, max_seq, **overrides), strict=True))
     prompts = _workload(args, buckets=not use_dynamic)
     prompt_tokens = sum(len(p) for p in prompts)
     runs: dict[str, Callable[[], int]] = {}

@@ -1,12 +1,16 @@
 """Kernel benchmark, TP=2: NCCL all-reduce + add + RMSNorm vs torch symmetric-memory two-shot +
-norm vs the tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM.
+norm vs FlashInfer's TRT-LLM all-reduce + residual + RMSNorm fusion (where it imports) vs the
+tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM per mechanism.
 
     python -m megatron_tokenweave.bench kernel --out docs/results/kernel_tp2.json
 
-Rows: tokenweave (bulk-copy path where it applies), tokenweave_regs (register path forced with
-TOKENWEAVE_NO_BULK=1, at --regs-ctas), tokenweave_graph (--graph-ctas, CUDA-graph replay of 10
-calls / 10: device time without host overhead), tokenweave_localstores (--graph-ctas,
-diagnostics only: TOKENWEAVE_DEBUG_LOCAL_STORES=1 skips the remote stores of normed rows).
+Rows: tokenweave (sequence-parallel layout, bulk-copy path where it applies),
+tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce),
+tokenweave_regs (register path forced with TOKENWEAVE_NO_BULK=1, at --regs-ctas),
+tokenweave_graph (--graph-ctas, CUDA-graph replay of 10 calls / 10: device time without host
+overhead), tokenweave_localstores (--graph-ctas, diagnostics only:
+TOKENWEAVE_DEBUG_LOCAL_STORES=1 skips the remote stores of normed rows), flashinfer.
+Overlap rows: see MECHANISMS (also written to the JSON).
     (or python -m megatron_tokenweave.bench.kernel ...)
 
 Spawns 2 processes (NCCL, one GPU each). CUDA events, median of >= 25 timings after a warm-up,
@@ -28,11 +32,22 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
+from megatron_tokenweave.schedule import gemm_sm_carveout
 
 NVLINK_BOUND_GBPS = 381.0
 EPS = 1e-5
 L2_BYTES = 60 << 20
 GRAPH_CALLS = 10
+CE_MECHANISM = "copy_engine_probe"
+MECHANISMS = {
+    "tokenweave_p2p_side_stream": "the fused op (SM-driven peer loads/stores, bulk copies) on a "
+    "high-priority side stream, launched before the GEMM",
+    "tokenweave_p2p_gemm_carveout": "the same, with the GEMM told to leave `ctas` SMs free "
+    "(cuBLASLt SM-count target); gemm_carveout_us = that GEMM alone",
+    CE_MECHANISM: "probe, data movement only: the bytes the op moves per rank (my rows of the "
+    "peer's partial in, my normed rows out) as two cudaMemcpyAsync copies on the side stream; "
+    "no reduction, no inter-rank ordering",
+}
 
 
 def _time(fn, iters: int, warmup: int = 5, stream=None) -> float:
@@ -80,6 +95,17 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     except Exception as exc:  # pragma: no cover - depends on the torch build
         symm_reason = f"torch symmetric memory unavailable: {exc!r}"
 
+    flashinfer, flashinfer_note = None, "not requested (--flashinfer)"
+    if args.flashinfer:
+        from megatron_tokenweave.bench.flashinfer_ar import flashinfer_fused
+
+        flashinfer, flashinfer_note = flashinfer_fused(group, max(args.tokens), H, dtype, dev)
+        print(f"rank {rank}: flashinfer: {flashinfer_note}", flush=True)
+        everywhere = torch.tensor([flashinfer is not None], dtype=torch.int32, device=dev)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+        if flashinfer is not None and not everywhere.item():
+            flashinfer, flashinfer_note = None, "set up on this rank only (another failed)"
+
     def add_row(impl, T, ctas, us):
         rows.append(dict(impl=impl, tokens=T, hidden=H, dtype="bf16", tp=world, ctas=ctas,
                          us=round(us, 2)))
@@ -110,6 +136,22 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 add_row("symm_two_shot+norm", T, 0, _time(symm_norm, args.iters))
             except Exception as exc:
                 symm_reason = f"symm_mem two_shot_all_reduce_ failed: {exc!r}"[:300]
+
+        outs = (torch.empty_like(r), torch.empty_like(r))
+        if flashinfer is not None:  # replicated layout: every rank gets all T rows
+            add_row("flashinfer", T, 0, _time(
+                lambda i: flashinfer(xs[i % k], r, w, EPS, *outs), args.iters))
+
+        # tokenweave, replicated layout: partial [1, T, H] (in the buffer), normed [1, T, H]
+        kr = max(1, min(k, buf.nbytes // nbytes))
+        rparts = [buf.view(dtype, (1, T, H), j * nbytes) for j in range(kr)]
+        for p in rparts:
+            p.normal_()
+        for ctas in args.replicated_ctas:
+            add_row("tokenweave_replicated", T, ctas, _time(
+                lambda i, ctas=ctas: kernels.fused_allreduce_rmsnorm(
+                    rparts[i % kr], r, w, EPS, outs[0], outs[1].view(1, T, H),
+                    Layout.REPLICATED, buf, ctas=ctas, validate=False), args.iters))
 
         # tokenweave, sequence-parallel layout: partial [2, T/2, H] and normed [2, T/2, H]
         n = T // world
@@ -154,37 +196,71 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                         _time(lambda i, g=g: g.replay(), args.iters) / GRAPH_CALLS)
                 del g
 
-        # Overlap: the kernel on T/2 tokens on a high-priority side stream beside the GEMM
-        # [T/2, H] x [H, 28672] on the main stream.
+        # Overlap: the op on T/2 tokens on a high-priority side stream beside the GEMM
+        # [T/2, H] x [H, gemm_n] (the other half's gate_up) on the main stream, per mechanism.
         half = T // 2
         nh = max(1, half // world)
         a = torch.randn(half, H, device=dev).to(dtype)
         bmat = torch.randn(H, args.gemm_n, device=dev).to(dtype)
         part_o = buf.view(dtype, (world, nh, H), 0)
-        normed_o = buf.view(dtype, (world, nh, H), ((world * nh * H * es + 255) // 256) * 256)
+        normed_off = ((world * nh * H * es + 255) // 256) * 256
+        normed_o = buf.view(dtype, (world, nh, H), normed_off)
         res_o = torch.randn(nh, H, device=dev).to(dtype)
         res_oo = torch.empty_like(res_o)
         side = torch.cuda.Stream(priority=-5)
         main = torch.cuda.current_stream()
-        gemm_us = _time(lambda i: a @ bmat, args.iters)
-        for ctas in args.ctas:
-            def kern(i, ctas=ctas):
+
+        def gemm(i):
+            a @ bmat
+
+        gemm_us = _time(gemm, args.iters)
+
+        def kernel_at(ctas):
+            def kern(i):
                 kernels.fused_allreduce_rmsnorm(part_o, res_o, w, EPS, res_oo, normed_o,
                                                 Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
                                                 validate=False)
+            return kern
 
-            def both(i, kern=kern):
+        # Copy engines (probe, data movement only): the bytes the op moves per rank, my rows of
+        # the peer's partial in and my normed rows out, as two cudaMemcpyAsync copies; no
+        # reduction, no inter-rank ordering.
+        peer = (rank + 1) % world
+        row_bytes = nh * H * es
+        peer_data = buf.peer_allocs[peer] + buf.signal_bytes
+        pull_src = torch.ops.tokenweave.tensor_from_ptr(
+            peer_data + rank * row_bytes, row_bytes, dev.index)
+        push_dst = torch.ops.tokenweave.tensor_from_ptr(
+            peer_data + normed_off + rank * row_bytes, row_bytes, dev.index)
+        pull_dst = torch.empty(row_bytes, dtype=torch.uint8, device=dev)
+        push_src = normed_o[rank].view(-1).view(torch.uint8)
+
+        def copies(i):
+            pull_dst.copy_(pull_src)
+            push_dst.copy_(push_src)
+
+        mechanisms = [(CE_MECHANISM, 0, copies, 0)]
+        for ctas in args.ctas:
+            mechanisms.append(("tokenweave_p2p_side_stream", ctas, kernel_at(ctas), 0))
+            if ctas in args.carveout_ctas:
+                mechanisms.append(("tokenweave_p2p_gemm_carveout", ctas, kernel_at(ctas), ctas))
+        for mechanism, ctas, op, carveout in mechanisms:
+            def both(i, op=op):
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    kern(i)
+                    op(i)
                 a @ bmat
                 main.wait_stream(side)
 
-            kernel_us = _time(kern, args.iters)
-            both_us = _time(both, args.iters)
-            overlap.append(dict(tokens=T, mechanism="tokenweave_p2p_side_stream", ctas=ctas,
-                                gemm_us=round(gemm_us, 2), kernel_us=round(kernel_us, 2),
-                                both_us=round(both_us, 2)))
+            op_us = _time(op, args.iters)
+            with gemm_sm_carveout(carveout):
+                gemm_alone_us = _time(gemm, args.iters)
+                both_us = _time(both, args.iters)
+            overlap.append(dict(tokens=T, mechanism=mechanism, ctas=ctas,
+                                gemm_us=round(gemm_us, 2), kernel_us=round(op_us, 2),
+                                both_us=round(both_us, 2),
+                                gemm_carveout_us=round(gemm_alone_us, 2)))
+        dist.barrier(group=group)  # the peers' copies into my buffer are done
     for T in args.tokens:
         one_tokens(T)
         torch.cuda.empty_cache()
@@ -192,6 +268,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     buf.close()
     if rank == 0:
         queue.put(dict(rows=rows, overlap=overlap, symm_reason=symm_reason,
+                       flashinfer_note=flashinfer_note,
                        gpu=torch.cuda.get_device_name(dev)))
     dist.barrier()
     dist.destroy_process_group()
@@ -218,14 +295,14 @@ def plot(result: dict, path: str) -> None:
     ax1.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us",
             title=f"all-reduce + residual + RMSNorm, TP=2, H={H}, bf16")
     ax1.legend(fontsize=7)
-    by_ctas = {}
+    series: dict[tuple[str, int], list[dict]] = {}
     for o in result["overlap"]:
-        by_ctas.setdefault(o["ctas"], []).append(o)
-    for ctas, os_ in sorted(by_ctas.items()):
+        series.setdefault((o["mechanism"], o["ctas"]), []).append(o)
+    for (mechanism, ctas), os_ in sorted(series.items()):
         os_.sort(key=lambda o: o["tokens"])
         ax2.plot([o["tokens"] for o in os_],
                  [(o["gemm_us"] + o["kernel_us"]) / o["both_us"] for o in os_], marker="o",
-                 label=f"{ctas} CTAs")
+                 label=f"{mechanism} {ctas} CTAs" if ctas else mechanism)
     ax2.axhline(1.0, color="k", lw=0.5)
     ax2.set(xscale="log", xlabel="tokens", ylabel="(gemm + kernel) / both",
             title="overlap beside GEMM [T/2, H] x [H, 28672] (>1: overlap helps)")
@@ -248,6 +325,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="CTA counts also timed on the register path (TOKENWEAVE_NO_BULK=1)")
     ap.add_argument("--graph-ctas", type=int, default=16,
                     help="CTA count also timed as CUDA-graph replays of 10 calls")
+    ap.add_argument("--carveout-ctas", type=int, nargs="*", default=[16, 32],
+                    help="CTA counts also overlapped with the GEMM leaving that many SMs free "
+                         "(cuBLASLt SM-count target)")
+    ap.add_argument("--replicated-ctas", type=int, nargs="*", default=[16, 64],
+                    help="CTA counts also timed in the replicated layout (what FlashInfer's "
+                         "fusion and NCCL+norm produce)")
+    ap.add_argument("--flashinfer", action=argparse.BooleanOptionalAction, default=True,
+                    help="time FlashInfer's TRT-LLM all-reduce + residual + RMSNorm fusion "
+                         "where it imports (multicast-free IPC workspace only)")
     ap.add_argument("--record-out", default=None,
                     help="--out value to record in the JSON's command (default: --out)")
     ap.add_argument("--buffer-mb", type=int, default=768)
@@ -266,6 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(gpu=got["gpu"], date=datetime.date.today().isoformat(),
                   command=_command(argv if argv is not None else sys.argv[1:], args),
                   nvlink_bound_GBps=NVLINK_BOUND_GBPS, rows=got["rows"], overlap=got["overlap"])
+    result["flashinfer_note"] = got["flashinfer_note"]
+    result["mechanisms"] = MECHANISMS
     if got["symm_reason"]:
         result["symm_two_shot_note"] = got["symm_reason"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -278,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _col(r: dict) -> str:
     short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph",
-             "tokenweave_localstores": "lst"}
+             "tokenweave_localstores": "lst", "tokenweave_replicated": "rep"}
     return f"{short[r['impl']]}{r['ctas']}" if r["impl"] in short else r["impl"]
 
 
@@ -313,10 +401,11 @@ def _print_table(result: dict) -> None:
         bound = t * H * 2 / (NVLINK_BOUND_GBPS * 1e3)
         print(f"{t:6d} {bound:6.1f} " + " ".join(f"{table.get((t, c), float('nan')):12.1f}"
                                                   for c in cols))
-    print("overlap: tokens ctas gemm_us kernel_us both_us")
+    print("overlap: tokens mechanism ctas gemm_us op_us both_us hidden")
     for o in result["overlap"]:
-        print(f"  {o['tokens']:6d} {o['ctas']:3d} {o['gemm_us']:9.1f} {o['kernel_us']:9.1f} "
-              f"{o['both_us']:9.1f}")
+        hidden = (o["gemm_us"] + o["kernel_us"] - o["both_us"]) / o["kernel_us"]
+        print(f"  {o['tokens']:6d} {o['mechanism']:30s} {o['ctas']:3d} {o['gemm_us']:9.1f} "
+              f"{o['kernel_us']:9.1f} {o['both_us']:9.1f} {hidden:6.0%}")
 
 
 if __name__ == "__main__":

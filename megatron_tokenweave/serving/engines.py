@@ -35,19 +35,48 @@ def static_engine(model: torch.nn.Module, tokenizer: Any, max_batch_size: int,
     return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
 
 
-def dynamic_engine_problem() -> str | None:
-    """Why Megatron's dynamic engine cannot run here (None when it can, as far as we know)."""
-    if not torch.cuda.is_available():
-        return "Megatron's dynamic engine needs CUDA"
+def _flash_attn_generations() -> tuple[bool, bool]:
+    """(FA3, flash-attn-4) as Megatron's attention module detected them."""
     from megatron.core.transformer import attention
 
-    fa3, fa4 = getattr(attention, "HAVE_FA3", False), getattr(attention, "HAVE_FA4", False)
+    return getattr(attention, "HAVE_FA3", False), getattr(attention, "HAVE_FA4", False)
+
+
+def dynamic_config_overrides() -> dict[str, Any]:
+    """TransformerConfig fields a model needs to run Megatron's dynamic engine on this machine.
+
+    Megatron's dynamic attention passes `num_splits=0` (flash-attn's split-KV heuristic) unless
+    `batch_invariant_mode` is set, when it passes `num_splits=1`; flash-attn-4 has no split-KV
+    kernel on SM 9.0, so there the mode is needed, and it requires the flash backend with a pinned
+    flash-attn generation. (In megatron-core 0.19.2 the mode changes nothing else at inference.)
+    Megatron sets TE's attention env vars process-wide from these fields: see
+    `models.clear_attention_backend_env`."""
+    if not torch.cuda.is_available():
+        return {}
+    fa3, fa4 = _flash_attn_generations()
+    if fa4 and not fa3 and torch.cuda.get_device_capability() == (9, 0):
+        from megatron.core.transformer.enums import AttnBackend
+
+        return dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash,
+                    flash_attention_version=4)
+    return {}
+
+
+def dynamic_engine_problem(config: Any = None) -> str | None:
+    """Why Megatron's dynamic engine cannot run a model of `config` here (None when it can, as
+    far as we know; without a config: whether any model built with `dynamic_config_overrides()`
+    can)."""
+    if not torch.cuda.is_available():
+        return "Megatron's dynamic engine needs CUDA"
+    fa3, fa4 = _flash_attn_generations()
     if not (fa3 or fa4):
         return "Megatron's dynamic engine needs flash-attn (FA3 or flash-attn-4)"
-    if fa4 and not fa3 and torch.cuda.get_device_capability() == (9, 0):
-        # Seen on H200 with flash-attn-4 4.0.0b36 and megatron-core 0.19.2: decode steps reach
-        # flash_attn.cute's split-KV path, which asserts "SplitKV not supported on SM 9.0".
-        return "flash-attn-4 has no split-KV kernel on SM 9.0, which Megatron's decode path uses"
+    if config is not None:
+        missing = {k: v for k, v in dynamic_config_overrides().items()
+                   if getattr(config, k, None) != v}
+        if missing:
+            return (f"flash-attn-4 on SM 9.0 runs Megatron's dynamic attention only without "
+                    f"split-KV: build the model with {missing} (dynamic_config_overrides())")
     return None
 
 
@@ -58,9 +87,13 @@ def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int
     chunked prefill of `chunk_tokens` tokens per step. `MegatronLLM` in direct mode (every rank
     calls `generate` with the same prompts), or with `serving` a `MegatronAsyncLLM` with its
     coordinator, whose `serve()` starts Megatron's OpenAI-style HTTP server (/v1/completions).
-    Needs CUDA and flash-attn (FA3 or flash-attn-4), as Megatron's dynamic context does."""
+    Needs CUDA and flash-attn (FA3 or flash-attn-4), as Megatron's dynamic context does, and
+    a model built with `dynamic_config_overrides()`."""
     from megatron.core.inference.apis import MegatronAsyncLLM, MegatronLLM
     from megatron.core.inference.config import InferenceConfig
+
+    if (problem := dynamic_engine_problem(getattr(model, "config", None))) is not None:
+        raise RuntimeError(problem)
 
     config = InferenceConfig(
         max_sequence_length=max_sequence_length,

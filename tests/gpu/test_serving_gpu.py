@@ -60,7 +60,13 @@ def _memorize_(model: torch.nn.Module, steps: int = 300, seq: int = 64, batch: i
 def _models(world: int, **config_overrides):
     """(stock, tokenweave) bf16 GPTModels with the same memorized weights."""
     from megatron_tokenweave.config import TokenWeaveConfig
-    from megatron_tokenweave.models import Shape, build_gpt, llama_config, stock_layer_spec
+    from megatron_tokenweave.models import (
+        Shape,
+        build_gpt,
+        clear_attention_backend_env,
+        llama_config,
+        stock_layer_spec,
+    )
     from megatron_tokenweave.spec import get_gpt_layer_tokenweave_spec, te_available
 
     shape = Shape(512, 1536, 8, 4, vocab=256)
@@ -72,6 +78,7 @@ def _models(world: int, **config_overrides):
     state = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
              for k, v in trainee.state_dict().items()}
     del trainee
+    clear_attention_backend_env()  # the trainee's backend may differ from config_overrides'
     cfg = llama_config(shape, LAYERS, world, bf16=True, params_dtype=torch.bfloat16,
                        **config_overrides)
     stock = build_gpt(cfg, stock_spec, shape.vocab, MAX_SEQ).cuda()
@@ -134,11 +141,16 @@ def test_static_engine_with_megatron_cuda_graphs_matches_stock():
 
 def _dynamic(rank: int, world: int) -> dict:
     from megatron_tokenweave.launch import initialize_model_parallel
-    from megatron_tokenweave.serving.engines import dynamic_llm, generated_tokens, greedy
+    from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
+        dynamic_llm,
+        generated_tokens,
+        greedy,
+    )
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
-    stock, woven, loss = _models(world)
+    stock, woven, loss = _models(world, **dynamic_config_overrides())
     out: dict = {"loss": loss}
     for name, model in (("stock", stock), ("tokenweave", woven)):
         llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
@@ -172,11 +184,11 @@ def _openai(rank: int, world: int, ports: list[int]) -> dict:
     from megatron.core.inference.apis import ServeConfig
 
     from megatron_tokenweave.launch import initialize_model_parallel
-    from megatron_tokenweave.serving.engines import dynamic_llm
+    from megatron_tokenweave.serving.engines import dynamic_config_overrides, dynamic_llm
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
-    stock, woven, loss = _models(world)
+    stock, woven, loss = _models(world, **dynamic_config_overrides())
 
     def query(url: str) -> dict:
         deadline = time.time() + 120
