@@ -11,10 +11,10 @@
 #          megatron_tokenweave/tables/)
 #   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
 #          its block (eager)
-#   tests  TE-spec parity, static-engine serving, dynamic engine / OpenAI server (flash-attn-4),
-#          the woven block's CUDA-graph replay test
-#   e2e    the e2e benchmark (throughput through the dynamic engine if its tests passed in
-#          `tests`, else the static engine), then the kernel benchmark (FlashInfer if staged)
+#   tests  TE-spec parity, static-engine serving, the woven block's CUDA-graph replay test
+#   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
+#          (throughput through the dynamic engine if those passed, else the static engine)
+#   kernel the kernel benchmark (FlashInfer where staged: .ci/stage_flashinfer.sh --aot)
 #   more   local-spec layer tests, kernel tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -50,15 +50,17 @@ case "$phase" in
   tests)
     TAIL=8 step te_parity 120 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
     TAIL=8 step serving 100 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
-    TAIL=20 step serving_dynamic 240 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
-      -k "dynamic or openai" && touch /tmp/dynamic_ok
     TAIL=8 step graph_replay 90 python -m pytest -v tests/gpu/test_layer_gpu.py -k graph_replay
     ;;
   e2e)
-    engine=static; [ -e /tmp/dynamic_ok ] && engine=auto
-    TAIL=12 step e2e 320 python -m megatron_tokenweave.bench e2e --engine "$engine" --reps 3 \
+    engine=static
+    TAIL=20 step serving_dynamic 220 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
+      -k "dynamic or openai" && engine=auto
+    TAIL=12 step e2e 330 python -m megatron_tokenweave.bench e2e --engine "$engine" --reps 3 \
       --throughput-reps 3 --out "$out/e2e_tp2.json"
-    TAIL=40 step kernel 240 python -m megatron_tokenweave.bench kernel --ctas 8 16 32 64 \
+    ;;
+  kernel)
+    TAIL=60 step kernel 400 python -m megatron_tokenweave.bench kernel --ctas 8 16 32 64 \
       --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
     ;;
   more)

@@ -139,8 +139,10 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
         outs = (torch.empty_like(r), torch.empty_like(r))
         if flashinfer is not None:  # replicated layout: every rank gets all T rows
-            add_row("flashinfer", T, 0, _time(
-                lambda i: flashinfer(xs[i % k], r, w, EPS, *outs), args.iters))
+            for impl, oneshot in (("flashinfer", None), ("flashinfer_twoshot", False)):
+                add_row(impl, T, 0, _time(
+                    lambda i, o=oneshot: flashinfer(xs[i % k], r, w, EPS, *outs, oneshot=o),
+                    args.iters))
 
         # tokenweave, replicated layout: partial [1, T, H] (in the buffer), normed [1, T, H]
         kr = max(1, min(k, buf.nbytes // nbytes))
@@ -266,6 +268,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         torch.cuda.empty_cache()
     buf.check_error()
     buf.close()
+    if flashinfer is not None:
+        flashinfer.close()
     if rank == 0:
         queue.put(dict(rows=rows, overlap=overlap, symm_reason=symm_reason,
                        flashinfer_note=flashinfer_note,
