@@ -6,6 +6,7 @@ TokenWeave model is served exactly like a stock one.
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any
 
 import torch
@@ -103,6 +104,12 @@ def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int
         buffer_size_gb=buffer_size_gb,
         num_cuda_graphs=None,
     )
+    if serving and multiprocessing.get_start_method(allow_none=True) != "fork":
+        # Megatron's HTTP frontends are multiprocessing.Process children handed the listening
+        # socket as an inherited fd ("fd://N"), which only the fork start method passes on; in a
+        # rank started by the spawn method, spawn is the default and the frontend dies with
+        # "Bad file descriptor". The frontends touch no CUDA.
+        multiprocessing.set_start_method("fork", force=True)
     api = MegatronAsyncLLM if serving else MegatronLLM
     return api(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=serving)
 

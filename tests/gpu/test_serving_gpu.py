@@ -236,13 +236,18 @@ def test_openai_server_matches_stock():
         pytest.importorskip(module)
     result = spawn(_openai, 2, [free_port(), free_port()])[0]
     stock, woven = result["stock"], result["tokenweave"]
+    def completions(answer: tuple[int, dict]) -> list[tuple[str, list[int]]]:
+        """Text and token ids of each choice (the replies also carry ids and timestamps)."""
+        return [(c["text"], c.get("generation_token_ids")) for c in answer[1]["choices"]]
+
     for answers in (stock, woven):
         assert answers["good"][0] == 200, answers["good"]
-        assert answers["again"] == answers["good"]
+        assert answers["again"][0] == 200, answers["again"]
+        assert completions(answers["again"]) == completions(answers["good"])
         for status, reply in answers["bad"]:
             assert 400 <= status < 500, (status, reply)
     texts = [c["text"] for c in woven["good"][1]["choices"]]
-    assert texts == [c["text"] for c in stock["good"][1]["choices"]]
+    assert completions(woven["good"]) == completions(stock["good"])
     for prompt, text in zip(PROMPTS, texts, strict=True):
         start = TEXT.index(prompt) + len(prompt)
         assert text == TEXT[start : start + len(text)] and text, (prompt, text)
