@@ -82,7 +82,22 @@ bool device_multicast_supported(int64_t device) {
   return v != 0;
 }
 
-int64_t signal_pad_bytes() { return kSignalBytes; }
+int64_t signal_pad_bytes() { return kHeaderBytes; }
+
+__global__ void fill_words(uint32_t* p, int64_t n, uint32_t v) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+// After ipc_malloc (which zeroes everything): the one-shot receive buffers start "empty".
+void init_header(int64_t ptr, int64_t device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const int64_t words = (kHeaderBytes - kSignalBytes) / 4;
+  fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(ptr + kSignalBytes), words, 0x80008000u);
+  TW_CUDA_CHECK(cudaGetLastError());
+  TW_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 }  // namespace tokenweave
 
@@ -96,4 +111,5 @@ TORCH_LIBRARY_FRAGMENT(tokenweave, m) {
   m.def("device_multicast_supported(int device) -> bool",
         &tokenweave::device_multicast_supported);
   m.def("signal_pad_bytes() -> int", &tokenweave::signal_pad_bytes);
+  m.def("init_header(int ptr, int device) -> ()", &tokenweave::init_header);
 }

@@ -15,6 +15,7 @@
 
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
 #include "tokenweave/multimem.cuh"
+#include "tokenweave/oneshot.cuh"
 
 namespace tokenweave {
 namespace {
@@ -211,6 +212,39 @@ void launch_p2p(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// The one-shot path takes replicated-layout calls whose P rows per row fit one receive buffer,
+// unless TOKENWEAVE_NO_ONESHOT=1 (read at every launch; benchmarks and tests).
+bool use_oneshot(const FusedParams& p, int64_t elem_bytes) {
+  const char* off = std::getenv("TOKENWEAVE_NO_ONESHOT");
+  if (off != nullptr && off[0] == '1') return false;
+  return !p.sequence_parallel && p.world * static_cast<int64_t>(p.rows) * p.hidden * elem_bytes <=
+                                     kOneShotRoundBytes;
+}
+
+template <typename T>
+void launch_oneshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
+  const LaunchShape s = launch_shape(p.hidden);
+  const int grid = static_cast<int>(p.rows < ctas ? p.rows : ctas);
+#define TW_ONESHOT(NP, VPT) \
+  fused_allreduce_rmsnorm_oneshot_kernel<T, NP, VPT><<<grid, s.threads, 0, stream>>>(p)
+#define TW_OVPT(NP)                   \
+  switch (s.vpt) {                    \
+    case 1: TW_ONESHOT(NP, 1); break; \
+    case 2: TW_ONESHOT(NP, 2); break; \
+    case 4: TW_ONESHOT(NP, 4); break; \
+    default: TW_ONESHOT(NP, 8); break; \
+  }
+  switch (np_bucket(p.world)) {
+    case 2: TW_OVPT(2); break;
+    case 4: TW_OVPT(4); break;
+    default: TW_OVPT(8); break;
+  }
+#undef TW_OVPT
+#undef TW_ONESHOT
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+}
+
 template <typename T>
 void launch_multimem(const FusedParams& p, int64_t ctas, char* mc, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
@@ -240,10 +274,17 @@ void fused_allreduce_rmsnorm(const at::Tensor& partial, const at::Tensor& residu
   if (p.rows == 0) return;
   c10::cuda::CUDAGuard guard(partial.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
-  if (partial.scalar_type() == at::kBFloat16)
+  const bool bf16 = partial.scalar_type() == at::kBFloat16;
+  if (use_oneshot(p, partial.element_size())) {
+    if (bf16)
+      launch_oneshot<__nv_bfloat16>(p, ctas, stream);
+    else
+      launch_oneshot<__half>(p, ctas, stream);
+  } else if (bf16) {
     launch_p2p<__nv_bfloat16>(p, ctas, stream);
-  else
+  } else {
     launch_p2p<__half>(p, ctas, stream);
+  }
 }
 
 // UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.

@@ -120,5 +120,5 @@ def test_kernel_timeout_surfaces_on_a_later_forward_without_a_sync(monkeypatch):
     ws.raise_if_kernel_failed()  # nothing recorded yet
     ws.symmetric.words.copy_(torch.tensor([1, 1, 3, 42]))  # a kernel times out (start barrier)
     ws.raise_if_kernel_failed()  # this call only queues the copy of the new words
-    with pytest.raises(RuntimeError, match="peer rank 1 never arrived at the start barrier"):
+    with pytest.raises(RuntimeError, match="peer rank 1 never arrived at the START barrier"):
         ws.raise_if_kernel_failed()

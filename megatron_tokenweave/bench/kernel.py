@@ -5,7 +5,9 @@ tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM per me
     python -m megatron_tokenweave.bench kernel --out docs/results/kernel_tp2.json
 
 Rows: tokenweave (sequence-parallel layout, bulk-copy path where it applies),
-tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce),
+tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce; the
+one-shot path where it applies), tokenweave_replicated_barrier (the same forced onto the barrier
+path with TOKENWEAVE_NO_ONESHOT=1, up to 512 tokens),
 tokenweave_regs (register path forced with TOKENWEAVE_NO_BULK=1, at --regs-ctas),
 tokenweave_graph (--graph-ctas, CUDA-graph replay of 10 calls / 10: device time without host
 overhead), tokenweave_localstores (--graph-ctas, diagnostics only:
@@ -39,6 +41,7 @@ EPS = 1e-5
 L2_BYTES = 60 << 20
 GRAPH_CALLS = 10
 CE_MECHANISM = "copy_engine_probe"
+ONESHOT_COMPARE_TOKENS = 512
 MECHANISMS = {
     "tokenweave_p2p_side_stream": "the fused op (SM-driven peer loads/stores, bulk copies) on a "
     "high-priority side stream, launched before the GEMM",
@@ -150,10 +153,18 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         for p in rparts:
             p.normal_()
         for ctas in args.replicated_ctas:
-            add_row("tokenweave_replicated", T, ctas, _time(
-                lambda i, ctas=ctas: kernels.fused_allreduce_rmsnorm(
-                    rparts[i % kr], r, w, EPS, outs[0], outs[1].view(1, T, H),
-                    Layout.REPLICATED, buf, ctas=ctas, validate=False), args.iters))
+            def rep(i, ctas=ctas):
+                kernels.fused_allreduce_rmsnorm(rparts[i % kr], r, w, EPS, outs[0],
+                                                outs[1].view(1, T, H), Layout.REPLICATED, buf,
+                                                ctas=ctas, validate=False)
+
+            add_row("tokenweave_replicated", T, ctas, _time(rep, args.iters))
+            if T <= ONESHOT_COMPARE_TOKENS:  # the barrier path where the one-shot one applies
+                os.environ["TOKENWEAVE_NO_ONESHOT"] = "1"
+                try:
+                    add_row("tokenweave_replicated_barrier", T, ctas, _time(rep, args.iters))
+                finally:
+                    os.environ.pop("TOKENWEAVE_NO_ONESHOT", None)
 
         # tokenweave, sequence-parallel layout: partial [2, T/2, H] and normed [2, T/2, H]
         n = T // world
@@ -370,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _col(r: dict) -> str:
     short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph",
-             "tokenweave_localstores": "lst", "tokenweave_replicated": "rep"}
+             "tokenweave_localstores": "lst", "tokenweave_replicated": "rep",
+             "tokenweave_replicated_barrier": "repb"}
     return f"{short[r['impl']]}{r['ctas']}" if r["impl"] in short else r["impl"]
 
 

@@ -17,7 +17,7 @@ from megatron_tokenweave.kernels._ext import load_extension
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENWEAVE_KERNEL_TIMEOUT_S", "10"))
 _ALIGN = 256
-_ERRORS = {1: "start", 2: "end"}
+_ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)"}
 
 
 class SymmetricBuffer:
@@ -64,6 +64,7 @@ class SymmetricBuffer:
         self._alloc = int(ops.ipc_malloc(self.signal_bytes + self.nbytes, dev))
         self._opened: list[int] = []
         try:
+            ops.init_header(self._alloc, dev)
             handle = bytes(ops.ipc_get_handle(self._alloc, dev).tolist())
             handles: list[bytes | None] = [None] * self.world
             dist.all_gather_object(handles, handle, group=group)
@@ -134,7 +135,7 @@ class SymmetricBuffer:
             return None
         return (
             f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
-            f"{_ERRORS.get(code, '?')} barrier (CTA {cta}, epoch {epoch}, timeout "
+            f"{_ERRORS.get(code, '?')} (CTA {cta}, epoch/round {epoch}, timeout "
             f"{self.timeout_s} s); the ranks' calls diverged or a peer died"
         )
 

@@ -122,15 +122,19 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                         fused_allreduce_rmsnorm_reference(part.clone(), residual, w, EPS, ref_res,
                                                           ref_normed, layout, group)
                         # Every third case on the register path (TOKENWEAVE_NO_BULK=1), the
-                        # others on the bulk-copy pipeline.
+                        # others on the bulk-copy pipeline; small replicated calls take the
+                        # one-shot path unless TOKENWEAVE_NO_ONESHOT=1 (every other case).
                         regs = seed % 3 == 0
+                        no_oneshot = (seed // 2) % 2 == 1
                         os.environ["TOKENWEAVE_NO_BULK"] = "1" if regs else "0"
+                        os.environ["TOKENWEAVE_NO_ONESHOT"] = "1" if no_oneshot else "0"
                         kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed,
                                                         layout, buf, ctas=ctas)
                         os.environ.pop("TOKENWEAVE_NO_BULK")
+                        os.environ.pop("TOKENWEAVE_NO_ONESHOT")
                         what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
                                 f"n={n} weight={weight_on} alias={alias} ctas={ctas} "
-                                f"regs={regs}")
+                                f"regs={regs} no_oneshot={no_oneshot}")
                         torch.testing.assert_close(res_out, ref_res, **_tol(dtype), msg=what)
                         if weight_on:
                             torch.testing.assert_close(normed, ref_normed, **_tol(dtype), msg=what)
@@ -138,8 +142,27 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     buf.check_error()
     t_cases = time.time() - t0
 
-    # 10,000 consecutive calls and 1,000 graph replays, partial rewritten before every call.
-    dtype, hidden, n, layout = torch.bfloat16, 8192, 256, Layout.SEQUENCE_PARALLEL
+    # 10,000 consecutive calls and 1,000 graph replays, partial rewritten before every call:
+    # the barrier path (sequence parallel, 256 rows) and the one-shot path (replicated, 64 rows:
+    # 10,000 rounds through its three receive buffers).
+    for layout, n in ((Layout.SEQUENCE_PARALLEL, 256), (Layout.REPLICATED, 64)):
+        t_loop = _consecutive_calls(buf, group, rank, dev, layout, n)
+    buf.check_error()
+    buf.close()
+
+    _timeout_check(group, rank, dev)
+    print(f"[rank {rank}] {ncase} cases in {t_cases:.1f}s, 10k calls in {t_loop:.1f}s, "
+          f"graph OK", flush=True)
+    dist.destroy_process_group()
+
+
+def _consecutive_calls(buf, group, rank, dev, layout, n) -> float:
+    """10,000 calls alternating two inputs, then 500 replays of a graph of 2 calls; the largest
+    error against the reference stays small and finite. Returns the seconds of the 10,000."""
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
+
+    dtype, hidden, world = torch.bfloat16, 8192, dist.get_world_size(group)
     sets = []
     for k in range(2):
         part, res_in, w, res_out, normed, residual = _case_tensors(
@@ -160,12 +183,13 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
         err.copy_(torch.maximum(err, (normed.float() - ref_normed.float()).abs().max()))
         err.copy_(torch.maximum(err, (res_out.float() - ref_res.float()).abs().max()))
 
+    what = f"rank {rank} {layout.value} n={n}"
     t1 = time.time()
     for i in range(10000):
         step(i % 2)
     torch.cuda.synchronize()
     t_loop = time.time() - t1
-    assert err.item() < 0.1 and err.isfinite().item(), f"rank {rank}: 10k-call max err {err}"
+    assert err.item() < 0.1 and err.isfinite().item(), f"{what}: 10k-call max err {err}"
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -180,35 +204,34 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     for _ in range(500):  # 2 ops per replay -> 1,000 op replays
         graph.replay()
     torch.cuda.synchronize()
-    assert err.item() < 0.1 and err.isfinite().item(), f"rank {rank}: graph max err {err}"
+    assert err.item() < 0.1 and err.isfinite().item(), f"{what}: graph max err {err}"
     buf.check_error()
-    buf.close()
     del graph
-
-    _timeout_check(group, rank, dev)
-    print(f"[rank {rank}] {ncase} cases in {t_cases:.1f}s, 10k calls in {t_loop:.1f}s, "
-          f"graph OK", flush=True)
-    dist.destroy_process_group()
+    return t_loop
 
 
 def _timeout_check(group, rank, dev) -> None:
-    """Rank 0 calls, rank 1 does not: rank 0's kernel gives up and check_error names rank 1."""
+    """Rank 0 calls, rank 1 does not: rank 0's kernel gives up and check_error names rank 1, on
+    the barrier path (sequence parallel) and the one-shot path (replicated, few rows)."""
     from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.validate import Layout
 
-    buf = kernels.SymmetricBuffer(group, 1 << 20, dev, timeout_s=0.2)
-    n, hidden, dtype = 4, 1024, torch.bfloat16
-    part = buf.view(dtype, (2, n, hidden), 0)
-    part.normal_()
-    residual = torch.randn(n, hidden, dtype=dtype, device=dev)
-    if rank == 0:
-        kernels.fused_allreduce_rmsnorm(part, residual, None, EPS, residual.clone(), None,
-                                        Layout.SEQUENCE_PARALLEL, buf, ctas=2)
-        with pytest.raises(RuntimeError, match="peer rank 1 never arrived"):
-            buf.check_error()
-    else:
-        buf.check_error()  # nothing recorded here
-    buf.close()
+    for layout, where in ((Layout.SEQUENCE_PARALLEL, "START barrier"),
+                          (Layout.REPLICATED, "one-shot exchange")):
+        buf = kernels.SymmetricBuffer(group, 1 << 20, dev, timeout_s=0.2)
+        n, hidden, dtype = 4, 1024, torch.bfloat16
+        chunks = 2 if layout is Layout.SEQUENCE_PARALLEL else 1
+        part = buf.view(dtype, (chunks, n, hidden), 0)
+        part.normal_()
+        residual = torch.randn(n, hidden, dtype=dtype, device=dev)
+        if rank == 0:
+            kernels.fused_allreduce_rmsnorm(part, residual, None, EPS, residual.clone(), None,
+                                            layout, buf, ctas=2)
+            with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the {where}"):
+                buf.check_error()
+        else:
+            buf.check_error()  # nothing recorded here
+        buf.close()
 
 
 def _worker_one_gpu(rank: int, world: int, port: int) -> None:

@@ -3,7 +3,8 @@
 //
 // Protocol (also in docs/kernel.md)
 // ---------------------------------
-// Every rank's symmetric allocation starts with a SignalPad (kSignalBytes, zeroed at creation).
+// Every rank's symmetric allocation starts with a header: a SignalPad (kSignalBytes, zeroed at
+// creation), then the one-shot path's receive buffers (oneshot.cuh).
 // A launch uses G CTAs (the same G on every rank: G depends only on the shapes and the CTA count,
 // which every rank passes identically). CTA b of every launch:
 //   1. reads e = pad.epoch[b] + 1 from its OWN pad and writes it back (device-side, monotonic:
@@ -33,15 +34,22 @@
 
 namespace tokenweave {
 
-constexpr int64_t kSignalBytes = 64 * 1024;  // header of each rank's allocation
+constexpr int64_t kSignalBytes = 64 * 1024;  // the SignalPad's part of each header
+// The one-shot path's receive buffers follow the SignalPad in the header (oneshot.cuh).
+constexpr int kOneShotRounds = 3;
+constexpr int64_t kOneShotRoundBytes = int64_t{8} << 20;
+constexpr int64_t kHeaderBytes = kSignalBytes + kOneShotRounds * kOneShotRoundBytes;
 
-enum ErrorCode : uint32_t { kOk = 0, kTimeoutStart = 1, kTimeoutEnd = 2 };
+enum ErrorCode : uint32_t { kOk = 0, kTimeoutStart = 1, kTimeoutEnd = 2, kTimeoutArrival = 3 };
 
 struct SignalPad {
   uint32_t start[kMaxCtas][kMaxRanks];  // slot [b][src]: written by rank src (release), read here
   uint32_t end[kMaxCtas][kMaxRanks];
   uint32_t epoch[kMaxCtas];             // local: last epoch used by CTA b
-  uint32_t error[4];                    // local: code, peer, cta, epoch
+  uint32_t error[4];                    // local: code, peer, cta, epoch (or one-shot round)
+  uint32_t oneshot_round;               // local: next one-shot round
+  uint32_t oneshot_done;                // local: CTAs of the current one-shot launch finished
+  uint32_t oneshot_vecs[kOneShotRounds];  // local: 16-byte vectors round (i mod 3) used
 };
 static_assert(sizeof(SignalPad) <= kSignalBytes, "signal pad too large");
 

@@ -1,0 +1,217 @@
+// One-shot fused all-reduce + residual add + RMSNorm for small replicated-layout calls: no
+// barrier round trips, the data carries its own arrival flag (Lamport-style). For decode-sized
+// calls the barrier path's two sys-scope round trips (START, END) are most of its time.
+//
+// Protocol (also in docs/kernel.md)
+// ---------------------------------
+// Every rank's allocation header holds, after the SignalPad, kOneShotRounds receive buffers of
+// kOneShotRoundBytes whose 16-bit words start as 0x8000 (-0.0 in bf16 and fp16): "empty". Launch
+// of round r (pad.oneshot_round, device-side, advanced by the last CTA of each launch, so CUDA
+// graph replays get fresh rounds) uses buffer i = r % 3, laid out [src rank][rows][hidden]:
+//   1. push: CTA b stores each row it owns (rows b, b+G, ...; G CTAs, the same on every rank) of
+//      this rank's partial, with -0.0 replaced by +0.0 (same value; keeps "empty" unique), into
+//      slot [rank][row] of buffer i of every peer: posted 16-byte NVLink stores, no waiting;
+//   2. poll: for each of its rows every thread re-reads (volatile) its 16-byte vectors of slot
+//      [q][row], q != rank, until none holds "empty". 16-byte stores arrive whole (the assumption
+//      TRT-LLM's and FlashInfer's one-shot kernels make too);
+//   3. sums the P rows in rank order in fp32 (its own partial sanitized the same way: every rank
+//      sums bit-identical values, so the replicated outputs are identical), adds the residual,
+//      stores residual_out, normalizes, stores normed_out locally;
+//   4. resets buffer (r - 1) % 3 of its own header (the extent round r - 1 used,
+//      pad.oneshot_vecs[(r - 1) % 3]) to "empty";
+//   5. the last CTA to finish records round r's extent and advances oneshot_round.
+// A buffer is never written before it was reset, nor reset while in use: a peer is at most one
+// round ahead (finishing round r + 1 needs my round r + 1 push, issued after my round r launch
+// completed), so during my round r peers write buffer r % 3 or (r + 1) % 3, never (r - 1) % 3,
+// which I reset; a peer writes (r - 1) % 3 = (r + 2) % 3 again only in round r + 2, after my round
+// r launch (and its reset) completed. No deadlock: pushes never wait, and CTA b polls only rows
+// pushed by CTA b of every peer, which pushes before it polls. Bounded: polls give up after
+// timeout_ns, record kTimeoutArrival and return; the round then never advances and later launches
+// return at once (the error is sticky, as on the barrier path). The partial buffer is free when
+// the launch ends: peers never read it.
+#pragma once
+
+#include "tokenweave/common.cuh"
+#include "tokenweave/fused_allreduce_rmsnorm.cuh"
+#include "tokenweave/signal.cuh"
+
+namespace tokenweave {
+
+constexpr uint32_t kEmptyWord = 0x80008000u;  // two 16-bit -0.0
+
+__device__ __forceinline__ uint32_t sanitize_word(uint32_t w) {
+  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  return w;
+}
+
+__device__ __forceinline__ Vec16 load_sanitized(const void* p) {
+  Vec16 v = load_vec(p);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v.u[k] = sanitize_word(v.u[k]);
+  return v;
+}
+
+__device__ __forceinline__ Vec16 load_volatile_vec(const void* p) {
+  Vec16 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool holds_empty(const Vec16& v) {
+  bool e = false;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) e |= ((v.u[k] & 0xffffu) == 0x8000u) || ((v.u[k] >> 16) == 0x8000u);
+  return e;
+}
+
+template <typename T, int kNp, int kVpt>
+__global__ void __launch_bounds__(kMaxThreads)
+    fused_allreduce_rmsnorm_oneshot_kernel(const FusedParams p) {
+  __shared__ float s_red[2][kMaxThreads / 32];
+  __shared__ uint32_t s_round;
+  __shared__ int s_fail;
+
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int world = p.world;
+  const int grid = gridDim.x;
+  const int64_t* pad_bases = p.bases + world;
+  SignalPad* self = reinterpret_cast<SignalPad*>(pad_bases[p.rank]);
+  if (tid == 0) {
+    s_fail = *reinterpret_cast<volatile uint32_t*>(&self->error[0]) != kOk;
+    s_round = self->oneshot_round;
+  }
+  __syncthreads();
+  if (s_fail) return;  // an earlier launch timed out: do nothing until the host reads the error
+  const uint32_t r = s_round;
+
+  const int hv = p.hidden / kVecElems;
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const char* mine = reinterpret_cast<const char*>(p.bases[p.rank]) + p.partial_off;
+  const int64_t slot0 = kSignalBytes + static_cast<int64_t>(r % kOneShotRounds) * kOneShotRoundBytes;
+
+  // 1. push my rows to every peer.
+  for (int row = b; row < p.rows; row += grid) {
+#pragma unroll
+    for (int v = 0; v < kVpt; ++v) {
+      const int col = tid + v * blockDim.x;
+      if (col < hv) {
+        const Vec16 x = load_sanitized(mine + row * row_bytes + col * kVecBytes);
+        const int64_t off = slot0 + (static_cast<int64_t>(p.rank) * p.rows + row) * row_bytes +
+                            col * kVecBytes;
+#pragma unroll
+        for (int q = 0; q < kNp; ++q)
+          if (q < world && q != p.rank) store_vec(reinterpret_cast<char*>(pad_bases[q]) + off, x);
+      }
+    }
+  }
+
+  const bool norm = p.weight != nullptr;
+  Vec16 w[kVpt];
+#pragma unroll
+  for (int v = 0; v < kVpt; ++v) {
+    const int col = tid + v * blockDim.x;
+    if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
+  }
+  const char* inbox = reinterpret_cast<const char*>(pad_bases[p.rank]) + slot0;
+  const int nwarps = blockDim.x / 32;
+  const float inv_h = 1.0f / static_cast<float>(p.hidden);
+  const uint64_t t0 = global_timer_ns();
+  int parity = 0;
+
+  // 2.-3. poll, reduce, normalize.
+  for (int row = b; row < p.rows; row += grid, parity ^= 1) {
+    float y[kVpt][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVpt; ++v) {
+      const int col = tid + v * blockDim.x;
+      if (col >= hv) continue;
+#pragma unroll
+      for (int q = 0; q < kNp; ++q) {
+        if (q >= world) continue;
+        Vec16 x;
+        if (q == p.rank) {
+          x = load_sanitized(mine + row * row_bytes + col * kVecBytes);
+        } else {
+          const char* src =
+              inbox + (static_cast<int64_t>(q) * p.rows + row) * row_bytes + col * kVecBytes;
+          x = load_volatile_vec(src);
+          uint32_t spins = 0;
+          while (holds_empty(x)) {
+            if ((++spins & 255u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
+              if (atomicCAS(&self->error[0], 0u, static_cast<uint32_t>(kTimeoutArrival)) == 0u) {
+                self->error[1] = static_cast<uint32_t>(q);
+                self->error[2] = static_cast<uint32_t>(b);
+                self->error[3] = r;
+                __threadfence_system();
+              }
+              atomicExch(&s_fail, 1);
+              break;
+            }
+            x = load_volatile_vec(src);
+          }
+        }
+        if (q == 0)
+          set_vec<T>(y[v], x);
+        else
+          add_vec<T>(y[v], x);
+      }
+      add_vec<T>(y[v], reinterpret_cast<const Vec16*>(
+                           static_cast<const char*>(p.residual) + row * row_bytes)[col]);
+      reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
+          pack_vec<T>(y[v]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ss += y[v][k] * y[v][k];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((tid & 31) == 0) s_red[parity][tid >> 5] = ss;
+    __syncthreads();  // also publishes s_fail; s_red[parity] is rewritten after another sync
+    if (*reinterpret_cast<volatile int*>(&s_fail)) return;
+    if (!norm) continue;
+    float t = 0.f;
+    for (int k = 0; k < nwarps; ++k) t += s_red[parity][k];
+    const float scale = rsqrtf(t * inv_h + p.eps);
+#pragma unroll
+    for (int v = 0; v < kVpt; ++v) {
+      const int col = tid + v * blockDim.x;
+      if (col >= hv) continue;
+      float wf[8];
+      set_vec<T>(wf, w[v]);
+      float o[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = y[v][k] * scale * wf[k];
+      reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] =
+          pack_vec<T>(o);
+    }
+  }
+
+  // 4. reset the previous round's buffer of my own header.
+  const int prev = static_cast<int>((r + kOneShotRounds - 1) % kOneShotRounds);
+  const int64_t nvec = self->oneshot_vecs[prev];
+  char* old = reinterpret_cast<char*>(pad_bases[p.rank]) + kSignalBytes +
+              static_cast<int64_t>(prev) * kOneShotRoundBytes;
+  const Vec16 empty = {{kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord}};
+  for (int64_t i = static_cast<int64_t>(b) * blockDim.x + tid; i < nvec;
+       i += static_cast<int64_t>(grid) * blockDim.x)
+    store_vec(old + i * kVecBytes, empty);
+
+  // 5. the last CTA records this round's extent and advances the round.
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(&self->oneshot_done, 1u) == static_cast<uint32_t>(grid - 1)) {
+      self->oneshot_vecs[r % kOneShotRounds] = static_cast<uint32_t>(world * p.rows * hv);
+      self->oneshot_done = 0;
+      __threadfence();
+      self->oneshot_round = r + 1;
+    }
+  }
+}
+
+}  // namespace tokenweave
