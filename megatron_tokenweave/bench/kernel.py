@@ -7,7 +7,9 @@ tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM per me
 Rows: tokenweave (sequence-parallel layout, bulk-copy path where it applies),
 tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce; the
 one-shot path where it applies), tokenweave_replicated_barrier (the same forced onto the barrier
-path with TOKENWEAVE_NO_ONESHOT=1, up to 512 tokens),
+path with TOKENWEAVE_NO_ONESHOT=1, up to 512 tokens); up to 512 tokens also *_graph rows
+(flashinfer_graph, tokenweave_replicated_graph, tokenweave_replicated_barrier_graph): CUDA-graph
+replays of 10 calls / 10, device time without host overhead,
 tokenweave_regs (register path forced with TOKENWEAVE_NO_BULK=1, at --regs-ctas),
 tokenweave_graph (--graph-ctas, CUDA-graph replay of 10 calls / 10: device time without host
 overhead), tokenweave_localstores (--graph-ctas, diagnostics only:
@@ -67,6 +69,22 @@ def _time(fn, iters: int, warmup: int = 5, stream=None) -> float:
         b.record(s)
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+
+
+def _time_graph(fn, iters: int) -> float:
+    """Median microseconds per call of fn(0..GRAPH_CALLS-1) captured in one CUDA graph: device
+    time without the host's per-call overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        for j in range(GRAPH_CALLS):
+            fn(j)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(GRAPH_CALLS):
+            fn(j)
+    return _time(lambda i: g.replay(), iters) / GRAPH_CALLS
 
 
 def _rot(nbytes: int, cap: int = 8) -> int:
@@ -141,11 +159,15 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 symm_reason = f"symm_mem two_shot_all_reduce_ failed: {exc!r}"[:300]
 
         outs = (torch.empty_like(r), torch.empty_like(r))
+        graphed = T <= ONESHOT_COMPARE_TOKENS  # small calls: also device time (graph replays)
         if flashinfer is not None:  # replicated layout: every rank gets all T rows
             for impl, oneshot in (("flashinfer", None), ("flashinfer_twoshot", False)):
-                add_row(impl, T, 0, _time(
-                    lambda i, o=oneshot: flashinfer(xs[i % k], r, w, EPS, *outs, oneshot=o),
-                    args.iters))
+                def fi(i, o=oneshot):
+                    flashinfer(xs[i % k], r, w, EPS, *outs, oneshot=o)
+
+                add_row(impl, T, 0, _time(fi, args.iters))
+                if graphed and oneshot is None:
+                    add_row("flashinfer_graph", T, 0, _time_graph(fi, args.iters))
 
         # tokenweave, replicated layout: partial [1, T, H] (in the buffer), normed [1, T, H]
         kr = max(1, min(k, buf.nbytes // nbytes))
@@ -159,10 +181,14 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                                                 ctas=ctas, validate=False)
 
             add_row("tokenweave_replicated", T, ctas, _time(rep, args.iters))
-            if T <= ONESHOT_COMPARE_TOKENS:  # the barrier path where the one-shot one applies
+            if graphed:
+                add_row("tokenweave_replicated_graph", T, ctas, _time_graph(rep, args.iters))
+                # the barrier path where the one-shot one applies
                 os.environ["TOKENWEAVE_NO_ONESHOT"] = "1"
                 try:
                     add_row("tokenweave_replicated_barrier", T, ctas, _time(rep, args.iters))
+                    add_row("tokenweave_replicated_barrier_graph", T, ctas,
+                            _time_graph(rep, args.iters))
                 finally:
                     os.environ.pop("TOKENWEAVE_NO_ONESHOT", None)
 
@@ -196,18 +222,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 finally:
                     os.environ.pop("TOKENWEAVE_DEBUG_LOCAL_STORES", None)
             if ctas == args.graph_ctas:  # device time without the host's per-call overhead
-                g = torch.cuda.CUDAGraph()
-                side_g = torch.cuda.Stream()
-                side_g.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side_g):
-                    tw(0)
-                torch.cuda.current_stream().wait_stream(side_g)
-                with torch.cuda.graph(g):
-                    for j in range(GRAPH_CALLS):
-                        tw(j)
-                add_row("tokenweave_graph", T, ctas,
-                        _time(lambda i, g=g: g.replay(), args.iters) / GRAPH_CALLS)
-                del g
+                add_row("tokenweave_graph", T, ctas, _time_graph(tw, args.iters))
 
         # Overlap: the op on T/2 tokens on a high-priority side stream beside the GEMM
         # [T/2, H] x [H, gemm_n] (the other half's gate_up) on the main stream, per mechanism.
@@ -382,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _col(r: dict) -> str:
     short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph",
              "tokenweave_localstores": "lst", "tokenweave_replicated": "rep",
-             "tokenweave_replicated_barrier": "repb"}
+             "tokenweave_replicated_barrier": "repb", "tokenweave_replicated_graph": "repG",
+             "tokenweave_replicated_barrier_graph": "repbG"}
     return f"{short[r['impl']]}{r['ctas']}" if r["impl"] in short else r["impl"]
 
 
