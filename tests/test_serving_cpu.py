@@ -229,3 +229,27 @@ def test_models_of_two_attention_backends_in_one_process(monkeypatch, single_ran
         clear_attention_backend_env()
         build_gpt(flash, spec, SHAPE.vocab, 16)
     assert os.environ["NVTE_FUSED_ATTN"] == "0"
+
+
+def test_dynamic_engine_cuda_graph_config(monkeypatch):
+    """Megatron's inference CUDA graphs: the config fields come with a scope, a bad scope is
+    refused, and dynamic_llm refuses cuda_graphs for a model built without them."""
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+    from megatron_tokenweave.models import llama_config
+    from megatron_tokenweave.serving.engines import dynamic_config_overrides, dynamic_llm
+
+    _pretend_gpu(monkeypatch, (9, 0), fa3=False, fa4=True)
+    for scope in ("layer", "block"):
+        overrides = dynamic_config_overrides(scope)
+        assert overrides["cuda_graph_impl"] == "local"
+        assert overrides["inference_cuda_graph_scope"] is InferenceCudaGraphScope[scope]
+        assert overrides["batch_invariant_mode"] is True
+    with pytest.raises(ValueError, match="cuda_graph_scope"):
+        dynamic_config_overrides("everything")
+
+    class Model:
+        config = llama_config(SHAPE, 1, 1, **dynamic_config_overrides())
+
+    with pytest.raises(ValueError, match="cuda_graphs needs a model built with"):
+        dynamic_llm(Model(), None, 64, 2, cuda_graphs=4)

@@ -106,7 +106,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     # Throughput: mixed prompt lengths.
     use_dynamic = args.engine == "dynamic" or (
         args.engine == "auto" and dynamic_engine_problem() is None)
-    if use_dynamic and (overrides := dynamic_config_overrides()):
+    scope = args.cuda_graph_scope if args.cuda_graphs else None
+    if use_dynamic and (overrides := dynamic_config_overrides(scope)):
         # The dynamic engine's attention needs other config fields: a pair of its own.
         del stock, woven, models
         torch.cuda.empty_cache()
@@ -119,7 +120,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     for name, model in models.items():
         if use_dynamic:
             llm = dynamic_llm(model, tokenizer, max_seq, max_requests=args.max_batch,
-                              chunk_tokens=args.chunk, buffer_size_gb=args.kv_gb)
+                              chunk_tokens=args.chunk, buffer_size_gb=args.kv_gb,
+                              cuda_graphs=args.cuda_graphs)
             token_lists = [list(p.encode()) for p in prompts]
 
             def run(llm=llm, token_lists=token_lists) -> int:
@@ -154,6 +156,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         rows.append(dict(metric="tokens_per_s", impl=name, prompt_tokens=prompt_tokens,
                          value=round(statistics.median(values), 1),
                          engine="dynamic" if use_dynamic else "static", prompts=len(prompts),
+                         cuda_graphs=args.cuda_graphs if use_dynamic else 0,
                          generated_tokens=generated[name]))
     say("throughput: " + "  ".join(f"{n}={statistics.median(v):.0f} tok/s"
                                    for n, v in samples.items()), flush=True)
@@ -205,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--kv-gb", type=float, default=16.0)
     parser.add_argument("--throughput-reps", type=int, default=2)
+    parser.add_argument("--cuda-graphs", type=int, default=0,
+                        help="dynamic engine: up to this many inference CUDA graphs (0: eager)")
+    parser.add_argument("--cuda-graph-scope", choices=["layer", "block"], default="layer")
     parser.add_argument("--local", action="store_true", help="local specs even with TE")
     parser.add_argument("--out", default="docs/results/e2e_tp2.json")
     args = parser.parse_args(argv)

@@ -43,8 +43,10 @@ def _flash_attn_generations() -> tuple[bool, bool]:
     return getattr(attention, "HAVE_FA3", False), getattr(attention, "HAVE_FA4", False)
 
 
-def dynamic_config_overrides() -> dict[str, Any]:
-    """TransformerConfig fields a model needs to run Megatron's dynamic engine on this machine.
+def dynamic_config_overrides(cuda_graph_scope: str | None = None) -> dict[str, Any]:
+    """TransformerConfig fields a model needs to run Megatron's dynamic engine on this machine,
+    plus, with `cuda_graph_scope` ("layer" or "block"), those of Megatron's inference CUDA graphs
+    (`cuda_graph_impl="local"`; pass `cuda_graphs=` to `dynamic_llm`).
 
     Megatron's dynamic attention passes `num_splits=0` (flash-attn's split-KV heuristic) unless
     `batch_invariant_mode` is set, when it passes `num_splits=1`; flash-attn-4 has no split-KV
@@ -52,15 +54,24 @@ def dynamic_config_overrides() -> dict[str, Any]:
     flash-attn generation. (In megatron-core 0.19.2 the mode changes nothing else at inference.)
     Megatron sets TE's attention env vars process-wide from these fields: see
     `models.clear_attention_backend_env`."""
+    overrides: dict[str, Any] = {}
+    if cuda_graph_scope is not None:
+        from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+        if cuda_graph_scope not in ("layer", "block"):
+            raise ValueError(
+                f"cuda_graph_scope must be 'layer' or 'block', got {cuda_graph_scope!r}")
+        overrides.update(cuda_graph_impl="local",
+                         inference_cuda_graph_scope=InferenceCudaGraphScope[cuda_graph_scope])
     if not torch.cuda.is_available():
-        return {}
+        return overrides
     fa3, fa4 = _flash_attn_generations()
     if fa4 and not fa3 and torch.cuda.get_device_capability() == (9, 0):
         from megatron.core.transformer.enums import AttnBackend
 
-        return dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash,
-                    flash_attention_version=4)
-    return {}
+        overrides.update(batch_invariant_mode=True, attention_backend=AttnBackend.flash,
+                         flash_attention_version=4)
+    return overrides
 
 
 def dynamic_engine_problem(config: Any = None) -> str | None:
@@ -83,18 +94,23 @@ def dynamic_engine_problem(config: Any = None) -> str | None:
 
 def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int,
                 max_requests: int, chunk_tokens: int = 2048, buffer_size_gb: float = 20.0,
-                serving: bool = False):
+                serving: bool = False, cuda_graphs: int | None = None):
     """Megatron's dynamic engine behind its high-level API: paged KV cache, continuous batching,
     chunked prefill of `chunk_tokens` tokens per step. `MegatronLLM` in direct mode (every rank
     calls `generate` with the same prompts), or with `serving` a `MegatronAsyncLLM` with its
     coordinator, whose `serve()` starts Megatron's OpenAI-style HTTP server (/v1/completions).
     Needs CUDA and flash-attn (FA3 or flash-attn-4), as Megatron's dynamic context does, and
-    a model built with `dynamic_config_overrides()`."""
+    a model built with `dynamic_config_overrides()`. `cuda_graphs`: up to that many inference
+    CUDA graphs (Megatron's `num_cuda_graphs`; the model built with a `cuda_graph_scope`)."""
     from megatron.core.inference.apis import MegatronAsyncLLM, MegatronLLM
     from megatron.core.inference.config import InferenceConfig
 
-    if (problem := dynamic_engine_problem(getattr(model, "config", None))) is not None:
+    model_config = getattr(model, "config", None)
+    if (problem := dynamic_engine_problem(model_config)) is not None:
         raise RuntimeError(problem)
+    if cuda_graphs and getattr(model_config, "cuda_graph_impl", "none") != "local":
+        raise ValueError("cuda_graphs needs a model built with "
+                         "dynamic_config_overrides(cuda_graph_scope='layer' or 'block')")
 
     config = InferenceConfig(
         max_sequence_length=max_sequence_length,
@@ -102,7 +118,7 @@ def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int
         max_tokens=chunk_tokens,
         enable_chunked_prefill=True,
         buffer_size_gb=buffer_size_gb,
-        num_cuda_graphs=None,
+        num_cuda_graphs=cuda_graphs or None,
     )
     if serving and multiprocessing.get_start_method(allow_none=True) != "fork":
         # Megatron's HTTP frontends are multiprocessing.Process children handed the listening

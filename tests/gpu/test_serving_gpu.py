@@ -139,7 +139,7 @@ def test_static_engine_with_megatron_cuda_graphs_matches_stock():
         _check_generations(result)
 
 
-def _dynamic(rank: int, world: int) -> dict:
+def _dynamic(rank: int, world: int, cuda_graph_scope: str | None = None) -> dict:
     from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.serving.engines import (
         dynamic_config_overrides,
@@ -150,11 +150,12 @@ def _dynamic(rank: int, world: int) -> dict:
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
-    stock, woven, loss = _models(world, **dynamic_config_overrides())
+    stock, woven, loss = _models(world, **dynamic_config_overrides(cuda_graph_scope))
     out: dict = {"loss": loss}
     for name, model in (("stock", stock), ("tokenweave", woven)):
         llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
-                          chunk_tokens=64, buffer_size_gb=1.0)
+                          chunk_tokens=64, buffer_size_gb=1.0,
+                          cuda_graphs=8 if cuda_graph_scope else None)
         try:
             requests = llm.generate([list(p.encode()) for p in PROMPTS], greedy(NEW_TOKENS))
         finally:
@@ -170,6 +171,19 @@ def test_dynamic_engine_matches_stock():
     if (problem := dynamic_engine_problem()) is not None:
         pytest.skip(problem)
     for result in spawn(_dynamic, 2):
+        _check_generations(result)
+
+
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_dynamic_engine_with_cuda_graphs_matches_stock(scope):
+    """Megatron's inference CUDA graphs (cuda_graph_impl="local") at layer scope (the woven
+    layer joins its side stream at each layer boundary) and block scope: the same greedy tokens
+    as the stock model under the same graphs."""
+    from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+    if (problem := dynamic_engine_problem()) is not None:
+        pytest.skip(problem)
+    for result in spawn(_dynamic, 2, scope):
         _check_generations(result)
 
 
