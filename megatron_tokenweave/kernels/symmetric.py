@@ -21,12 +21,14 @@ _ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows
 
 
 class SymmetricBuffer:
-    """`nbytes` of peer-mapped device memory per rank of `group`, plus the kernels' signal pad.
+    """`nbytes` of peer-mapped device memory per rank of `group`, plus the kernels' header: the
+    signal pad and the one-shot path's three 8 MiB receive buffers (24 MiB more per rank; never
+    zero the header by hand, "+0.0" reads as "arrived": recreate the buffer instead).
 
     Attributes: rank, world, device, nbytes, local (uint8 CUDA tensor of the local data region:
     carve typed views with `.local[a:b].view(dtype).view(shape)`), local_base (int address of
     `local`), bases (CUDA int64 [2*world]: data bases, then signal-pad bases, in device memory),
-    signal (uint8 CUDA tensor of the local signal pad), timeout_s, multicast_base (None unless a
+    signal (uint8 CUDA tensor of the local header), timeout_s, multicast_base (None unless a
     caller that may use multicast sets it; never created here).
     Call ops on one buffer in the same order on every rank, one at a time (one stream or ordered
     streams). `close()` is collective.

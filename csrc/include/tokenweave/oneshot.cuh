@@ -12,8 +12,8 @@
 //      this rank's partial, with -0.0 replaced by +0.0 (same value; keeps "empty" unique), into
 //      slot [rank][row] of buffer i of every peer: posted 16-byte NVLink stores, no waiting;
 //   2. poll: for each of its rows every thread re-reads (volatile) its 16-byte vectors of slot
-//      [q][row], q != rank, until none holds "empty". 16-byte stores arrive whole (the assumption
-//      TRT-LLM's and FlashInfer's one-shot kernels make too);
+//      [q][row], q != rank, until none of its 16-bit words holds "empty" (so only 16-bit
+//      writes need to arrive whole, which aligned stores always do);
 //   3. sums the P rows in rank order in fp32 (its own partial sanitized the same way: every rank
 //      sums bit-identical values, so the replicated outputs are identical), adds the residual,
 //      stores residual_out, normalizes, stores normed_out locally;
@@ -26,9 +26,11 @@
 // which I reset; a peer writes (r - 1) % 3 = (r + 2) % 3 again only in round r + 2, after my round
 // r launch (and its reset) completed. No deadlock: pushes never wait, and CTA b polls only rows
 // pushed by CTA b of every peer, which pushes before it polls. Bounded: polls give up after
-// timeout_ns, record kTimeoutArrival and return; the round then never advances and later launches
-// return at once (the error is sticky, as on the barrier path). The partial buffer is free when
-// the launch ends: peers never read it.
+// timeout_ns, record kTimeoutArrival and return without storing the rows they could not complete;
+// the round then never advances and later launches return at once (the error is sticky, as on
+// the barrier path). The partial buffer is free when the launch ends: peers never read it. The
+// round counter wraps at a multiple of 3. TOKENWEAVE_NO_ONESHOT must be set alike on every rank
+// (a rank on the barrier path and one on this path both time out).
 #pragma once
 
 #include "tokenweave/common.cuh"
@@ -38,6 +40,8 @@
 namespace tokenweave {
 
 constexpr uint32_t kEmptyWord = 0x80008000u;  // two 16-bit -0.0
+constexpr uint32_t kOneShotRoundWrap = 0xFFFFFFFFu;  // rounds run 0 .. wrap - 1, then 0 again
+static_assert(kOneShotRoundWrap % kOneShotRounds == 0, "the round wrap must keep the rotation");
 
 __device__ __forceinline__ uint32_t sanitize_word(uint32_t w) {
   if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
@@ -122,6 +126,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
   const uint64_t t0 = global_timer_ns();
   int parity = 0;
+  int failed = 0;  // this thread gave up on a peer's rows (then stores nothing more)
 
   // 2.-3. poll, reduce, normalize.
   for (int row = b; row < p.rows; row += grid, parity ^= 1) {
@@ -150,7 +155,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                 self->error[3] = r;
                 __threadfence_system();
               }
-              atomicExch(&s_fail, 1);
+              failed = 1;
               break;
             }
             x = load_volatile_vec(src);
@@ -163,16 +168,18 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
       add_vec<T>(y[v], reinterpret_cast<const Vec16*>(
                            static_cast<const char*>(p.residual) + row * row_bytes)[col]);
-      reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
-          pack_vec<T>(y[v]);
+      if (!failed)
+        reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
+            pack_vec<T>(y[v]);
 #pragma unroll
       for (int k = 0; k < 8; ++k) ss += y[v][k] * y[v][k];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if ((tid & 31) == 0) s_red[parity][tid >> 5] = ss;
-    __syncthreads();  // also publishes s_fail; s_red[parity] is rewritten after another sync
-    if (*reinterpret_cast<volatile int*>(&s_fail)) return;
+    // One answer for every thread (a per-thread flag, not shared memory a faster thread could
+    // set while others still read it); s_red[parity] is rewritten after another barrier.
+    if (__syncthreads_or(failed)) return;
     if (!norm) continue;
     float t = 0.f;
     for (int k = 0; k < nwarps; ++k) t += s_red[parity][k];
@@ -192,7 +199,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // 4. reset the previous round's buffer of my own header.
-  const int prev = static_cast<int>((r + kOneShotRounds - 1) % kOneShotRounds);
+  const int prev = static_cast<int>((r % kOneShotRounds + kOneShotRounds - 1) % kOneShotRounds);
   const int64_t nvec = self->oneshot_vecs[prev];
   char* old = reinterpret_cast<char*>(pad_bases[p.rank]) + kSignalBytes +
               static_cast<int64_t>(prev) * kOneShotRoundBytes;
@@ -208,8 +215,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (atomicAdd(&self->oneshot_done, 1u) == static_cast<uint32_t>(grid - 1)) {
       self->oneshot_vecs[r % kOneShotRounds] = static_cast<uint32_t>(world * p.rows * hv);
       self->oneshot_done = 0;
-      __threadfence();
-      self->oneshot_round = r + 1;
+      // Wrap at 0xFFFFFFFF, a multiple of 3 (2^32 is not): r % 3 keeps rotating across the wrap.
+      self->oneshot_round = r + 1 == kOneShotRoundWrap ? 0u : r + 1;
     }
   }
 }
