@@ -1,4 +1,5 @@
-"""A small 2-rank run of the fused kernel for compute-sanitizer (memcheck, racecheck).
+"""A small 2-rank run of the fused kernel for compute-sanitizer (memcheck, racecheck): the
+barrier path in both layouts and the one-shot path (small replicated call).
 
 Ranks talk over gloo (no NCCL under the sanitizer), map each other's buffers by CUDA IPC and
 check the kernel against an fp32 computation of the gathered inputs. Exit code 0: all correct.
@@ -30,7 +31,10 @@ def _worker(rank: int, world: int, port: int) -> None:
     n, hidden, dtype, eps = 37, 1024, torch.bfloat16, 1e-5
     buf = kernels.SymmetricBuffer(dist.group.WORLD, 4 << 20, rank, timeout_s=300)
     gen = torch.Generator().manual_seed(7)
-    for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
+    # The replicated case twice: the one-shot path (default at this size) and the barrier path.
+    for layout, no_oneshot in ((Layout.SEQUENCE_PARALLEL, "0"), (Layout.REPLICATED, "0"),
+                               (Layout.REPLICATED, "1")):
+        os.environ["TOKENWEAVE_NO_ONESHOT"] = no_oneshot
         chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
         parts = [torch.randn(chunks, n, hidden, generator=gen).to(dtype) for _ in range(world)]
         res_all = [torch.randn(n, hidden, generator=gen).to(dtype) for _ in range(world)]
@@ -58,7 +62,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         err_n = max((normed[c].cpu().float() - want_normed[c]).abs().max().item()
                     for c in range(chunks))
         if not (err_y < 0.1 and err_n < 0.1):
-            raise SystemExit(f"rank {rank} {layout.value}: errors {err_y} {err_n}")
+            raise SystemExit(f"rank {rank} {layout.value} no_oneshot={no_oneshot}: errors "
+                             f"{err_y} {err_n}")
     buf.close()
     dist.destroy_process_group()
 
