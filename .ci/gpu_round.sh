@@ -15,6 +15,9 @@
 #   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
 #          (throughput through the dynamic engine if those passed, else the static engine)
 #   kernel the kernel benchmark (FlashInfer where staged: .ci/stage_flashinfer.sh --aot)
+#   verify kernel tests and compute-sanitizer (memcheck, racecheck) on the current kernels
+#   graphs dynamic engine under Megatron's inference CUDA graphs (layer, block scope), then the
+#          e2e benchmark with them
 #   more   local-spec layer tests, kernel tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -62,6 +65,16 @@ case "$phase" in
   kernel)
     TAIL=60 step kernel 400 python -m megatron_tokenweave.bench kernel --ctas 8 16 32 64 \
       --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
+    ;;
+  verify)
+    TAIL=8 step kernel_tests 150 python -m pytest -v tests/gpu/test_kernel.py
+    TAIL=8 step sanitizer 300 python -m pytest -v tests/gpu/test_sanitizer.py
+    ;;
+  graphs)
+    TAIL=20 step dynamic_graphs 250 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
+      -k cuda_graphs
+    TAIL=12 step e2e_graphs 330 python -m megatron_tokenweave.bench e2e --engine dynamic \
+      --cuda-graphs 16 --reps 3 --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
     ;;
   more)
     TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"
