@@ -46,7 +46,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             done = engine.generate(prompts=args.prompt, sampling_params=greedy(args.tokens))
             out[("static", name)] = generated_tokens(done)
     if args.dynamic:  # a pair built for the dynamic engine's attention (other random weights)
-        del models
+        del models, model, engine, done  # the static engines hold the first pair
         clear_attention_backend_env()
         models = dict(zip(("stock", "tokenweave"),
                           stock_and_tokenweave(shape, args.layers, world, tw_config,

@@ -122,3 +122,28 @@ def test_kernel_timeout_surfaces_on_a_later_forward_without_a_sync(monkeypatch):
     ws.raise_if_kernel_failed()  # this call only queues the copy of the new words
     with pytest.raises(RuntimeError, match="peer rank 1 never arrived at the START barrier"):
         ws.raise_if_kernel_failed()
+
+
+def test_oneshot_threshold_mirrors_the_cuda_constant():
+    """kernels.ONESHOT_ROUND_BYTES is the receive-buffer size the CUDA op checks
+    (kOneShotRoundBytes in signal.cuh): the benchmark and docs rely on the Python mirror."""
+    import pathlib
+    import re
+
+    from megatron_tokenweave.kernels import ONESHOT_ROUND_BYTES
+
+    header = pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave/signal.cuh"
+    m = re.search(r"kOneShotRoundBytes\s*=\s*int64_t\{(\d+)\}\s*<<\s*(\d+);", header.read_text())
+    assert m is not None, "kOneShotRoundBytes not found in signal.cuh"
+    assert ONESHOT_ROUND_BYTES == int(m.group(1)) << int(m.group(2))
+
+
+def test_oneshot_applies_to_small_replicated_calls_only():
+    from megatron_tokenweave.kernels import oneshot_applies
+    from megatron_tokenweave.ops.validate import Layout
+
+    assert oneshot_applies(Layout.REPLICATED, 2, 256, 8192, 2)      # 8 MiB exactly
+    assert not oneshot_applies(Layout.REPLICATED, 2, 257, 8192, 2)
+    assert oneshot_applies(Layout.REPLICATED, 2, 512, 4096, 2)
+    assert not oneshot_applies(Layout.REPLICATED, 8, 128, 8192, 2)  # 16 MiB at TP=8
+    assert not oneshot_applies(Layout.SEQUENCE_PARALLEL, 2, 1, 8192, 2)

@@ -57,6 +57,30 @@ def _workload(args: argparse.Namespace, buckets: bool) -> list[str]:
     return [_text(int(round(2 ** float(e))), gen) for e in exps]
 
 
+def _prefill_rows(models: dict, tokenizer, args: argparse.Namespace, say) -> list[dict]:
+    """Prefill latency: static engine, batch 1, one output token (its engines die with it)."""
+    from megatron_tokenweave.serving.engines import greedy, static_engine
+
+    rows = []
+    gen = torch.Generator().manual_seed(3)
+    for tokens in args.prefill_tokens:
+        prompt = _text(tokens, gen)
+        engines = {name: static_engine(m, tokenizer, 1, tokens + 2) for name, m in models.items()}
+        samples: dict[str, list[float]] = {name: [] for name in engines}
+        for rep in range(args.reps + 2):
+            for name, engine in engines.items():
+                seconds = _wall(lambda e=engine, p=prompt: e.generate(
+                    prompts=[p], sampling_params=greedy(1)))
+                if rep >= 2:  # two warm-up rounds
+                    samples[name].append(seconds)
+        for name, values in samples.items():
+            rows.append(dict(metric="prefill_ms", impl=name, prompt_tokens=tokens,
+                             value=round(1e3 * statistics.median(values), 3), engine="static"))
+        say(f"prefill {tokens}: " + "  ".join(
+            f"{n}={1e3 * statistics.median(v):.1f}ms" for n, v in samples.items()), flush=True)
+    return rows
+
+
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.launch import initialize_model_parallel
@@ -84,24 +108,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    # Prefill latency: static engine, batch 1, one output token.
-    gen = torch.Generator().manual_seed(3)
-    for tokens in args.prefill_tokens:
-        prompt = _text(tokens, gen)
-        engines = {name: static_engine(m, tokenizer, 1, tokens + 2) for name, m in models.items()}
-        samples: dict[str, list[float]] = {name: [] for name in engines}
-        for rep in range(args.reps + 2):
-            for name, engine in engines.items():
-                seconds = _wall(lambda e=engine, p=prompt: e.generate(
-                    prompts=[p], sampling_params=greedy(1)))
-                if rep >= 2:  # two warm-up rounds
-                    samples[name].append(seconds)
-        for name, values in samples.items():
-            rows.append(dict(metric="prefill_ms", impl=name, prompt_tokens=tokens,
-                             value=round(1e3 * statistics.median(values), 3), engine="static"))
-        say(f"prefill {tokens}: " + "  ".join(
-            f"{n}={1e3 * statistics.median(v):.1f}ms" for n, v in samples.items()), flush=True)
-        del engines
+    rows += _prefill_rows(models, tokenizer, args, say)
 
     # Throughput: mixed prompt lengths.
     use_dynamic = args.engine == "dynamic" or (
@@ -157,6 +164,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                          value=round(statistics.median(values), 1),
                          engine="dynamic" if use_dynamic else "static", prompts=len(prompts),
                          cuda_graphs=args.cuda_graphs if use_dynamic else 0,
+                         cuda_graph_scope=scope,
                          generated_tokens=generated[name]))
     say("throughput: " + "  ".join(f"{n}={statistics.median(v):.0f} tok/s"
                                    for n, v in samples.items()), flush=True)

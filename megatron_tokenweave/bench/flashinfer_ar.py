@@ -56,11 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from megatron_tokenweave.launch import NO_MULTICAST_ENV
+
 _REASON_CHARS = 300
 
 
@@ -283,6 +280,8 @@ def flashinfer_fused(
     multicast guards not met, flashinfer missing, JIT failure, unsupported shape. Never raises for
     those. A missing kill-switch variable returns at once, before any collective (all ranks share
     one environment); past that, the ranks agree before the workspace's collective allocations.
+    A failure inside those allocations on one rank only (e.g. out of memory) leaves the others
+    waiting in FlashInfer's collectives: a benchmark-only helper, not a product path.
     """
     device = torch.device(device)
     reason = _env_refusal()

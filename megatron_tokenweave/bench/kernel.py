@@ -6,10 +6,11 @@ tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM per me
 
 Rows: tokenweave (sequence-parallel layout, bulk-copy path where it applies),
 tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce; the
-one-shot path where it applies), tokenweave_replicated_barrier (the same forced onto the barrier
-path with TOKENWEAVE_NO_ONESHOT=1, up to 512 tokens); up to 512 tokens also *_graph rows
-(flashinfer_graph, tokenweave_replicated_graph, tokenweave_replicated_barrier_graph): CUDA-graph
-replays of 10 calls / 10, device time without host overhead,
+one-shot path where it applies: kernels.oneshot_applies), and where it applies also
+tokenweave_replicated_barrier (forced onto the barrier path with TOKENWEAVE_NO_ONESHOT=1) and
+*_graph rows (flashinfer_graph, tokenweave_replicated_graph,
+tokenweave_replicated_barrier_graph): CUDA-graph replays of 10 calls / 10, device time without
+host overhead,
 tokenweave_regs (register path forced with TOKENWEAVE_NO_BULK=1, at --regs-ctas),
 tokenweave_graph (--graph-ctas, CUDA-graph replay of 10 calls / 10: device time without host
 overhead), tokenweave_localstores (--graph-ctas, diagnostics only:
@@ -43,7 +44,6 @@ EPS = 1e-5
 L2_BYTES = 60 << 20
 GRAPH_CALLS = 10
 CE_MECHANISM = "copy_engine_probe"
-ONESHOT_COMPARE_TOKENS = 512
 MECHANISMS = {
     "tokenweave_p2p_side_stream": "the fused op (SM-driven peer loads/stores, bulk copies) on a "
     "high-priority side stream, launched before the GEMM",
@@ -125,6 +125,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         everywhere = torch.tensor([flashinfer is not None], dtype=torch.int32, device=dev)
         dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
         if flashinfer is not None and not everywhere.item():
+            # Set up here only; its close() is collective, so it is dropped unclosed.
             flashinfer, flashinfer_note = None, "set up on this rank only (another failed)"
 
     def add_row(impl, T, ctas, us):
@@ -159,7 +160,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 symm_reason = f"symm_mem two_shot_all_reduce_ failed: {exc!r}"[:300]
 
         outs = (torch.empty_like(r), torch.empty_like(r))
-        graphed = T <= ONESHOT_COMPARE_TOKENS  # small calls: also device time (graph replays)
+        # Where the one-shot path applies: also device time (graph replays) and the barrier path.
+        graphed = kernels.oneshot_applies(Layout.REPLICATED, world, T, H, es)
         if flashinfer is not None:  # replicated layout: every rank gets all T rows
             for impl, oneshot in (("flashinfer", None), ("flashinfer_twoshot", False)):
                 def fi(i, o=oneshot):
@@ -183,7 +185,6 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             add_row("tokenweave_replicated", T, ctas, _time(rep, args.iters))
             if graphed:
                 add_row("tokenweave_replicated_graph", T, ctas, _time_graph(rep, args.iters))
-                # the barrier path where the one-shot one applies
                 os.environ["TOKENWEAVE_NO_ONESHOT"] = "1"
                 try:
                     add_row("tokenweave_replicated_barrier", T, ctas, _time(rep, args.iters))
@@ -282,7 +283,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
             op_us = _time(op, args.iters)
             with gemm_sm_carveout(carveout):
-                gemm_alone_us = _time(gemm, args.iters)
+                gemm_alone_us = _time(gemm, args.iters) if carveout else gemm_us
                 both_us = _time(both, args.iters)
             overlap.append(dict(tokens=T, mechanism=mechanism, ctas=ctas,
                                 gemm_us=round(gemm_us, 2), kernel_us=round(op_us, 2),

@@ -6,9 +6,11 @@ from megatron_tokenweave.kernels.fused import (
     DEFAULT_CTAS,
     MAX_CTAS,
     MIN_CTAS,
+    ONESHOT_ROUND_BYTES,
     REPLICATED_ALGO,
     check_kernel_args,
     fused_allreduce_rmsnorm,
+    oneshot_applies,
 )
 from megatron_tokenweave.kernels.policy import multimem_refusal, select_backend
 from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
@@ -17,6 +19,7 @@ __all__ = [
     "DEFAULT_CTAS",
     "MAX_CTAS",
     "MIN_CTAS",
+    "ONESHOT_ROUND_BYTES",
     "REPLICATED_ALGO",
     "KernelUnavailableError",
     "SymmetricBuffer",
@@ -25,5 +28,6 @@ __all__ = [
     "is_available",
     "load_extension",
     "multimem_refusal",
+    "oneshot_applies",
     "select_backend",
 ]

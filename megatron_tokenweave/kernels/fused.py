@@ -25,6 +25,16 @@ DEFAULT_CTAS = 16
 # would pay off above ~1K tokens at TP>=4. Not implemented yet: the sequence-parallel layout is the
 # fast path (it is a two-shot whose gather writes the normed rows straight to the peers).
 REPLICATED_ALGO = "one_shot"
+# Small replicated calls take the flagless one-shot path (csrc/include/tokenweave/oneshot.cuh)
+# when all ranks' rows fit one receive buffer; mirrors kOneShotRoundBytes in signal.cuh (a CPU
+# test keeps the two equal).
+ONESHOT_ROUND_BYTES = 8 << 20
+
+
+def oneshot_applies(layout: Layout, world: int, rows: int, hidden: int, elem_bytes: int) -> bool:
+    """Whether the CUDA op takes the one-shot path for this call (unless TOKENWEAVE_NO_ONESHOT=1,
+    which must then be set alike on every rank)."""
+    return layout is Layout.REPLICATED and world * rows * hidden * elem_bytes <= ONESHOT_ROUND_BYTES
 _mc_supported: dict[int, bool] = {}
 
 

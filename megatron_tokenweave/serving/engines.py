@@ -51,7 +51,9 @@ def dynamic_config_overrides(cuda_graph_scope: str | None = None) -> dict[str, A
     Megatron's dynamic attention passes `num_splits=0` (flash-attn's split-KV heuristic) unless
     `batch_invariant_mode` is set, when it passes `num_splits=1`; flash-attn-4 has no split-KV
     kernel on SM 9.0, so there the mode is needed, and it requires the flash backend with a pinned
-    flash-attn generation. (In megatron-core 0.19.2 the mode changes nothing else at inference.)
+    flash-attn generation. (In megatron-core 0.19.2 the dynamic engine's attention sees only
+    num_splits change; TE's DotProductAttention, used by static paths, gets num_splits=1 and the
+    flash backend too: tests and benchmarks build a separate model pair for the dynamic engine.)
     Megatron sets TE's attention env vars process-wide from these fields: see
     `models.clear_attention_backend_env`."""
     overrides: dict[str, Any] = {}
@@ -124,7 +126,9 @@ def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int
         # Megatron's HTTP frontends are multiprocessing.Process children handed the listening
         # socket as an inherited fd ("fd://N"), which only the fork start method passes on; in a
         # rank started by the spawn method, spawn is the default and the frontend dies with
-        # "Bad file descriptor". The frontends touch no CUDA.
+        # "Bad file descriptor". The frontends touch no CUDA. Process-wide: later
+        # multiprocessing users in this rank fork too (Megatron's coordinator uses its own spawn
+        # context).
         multiprocessing.set_start_method("fork", force=True)
     api = MegatronAsyncLLM if serving else MegatronLLM
     return api(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=serving)

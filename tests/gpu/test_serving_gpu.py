@@ -158,9 +158,11 @@ def _dynamic(rank: int, world: int, cuda_graph_scope: str | None = None) -> dict
                           cuda_graphs=8 if cuda_graph_scope else None)
         try:
             requests = llm.generate([list(p.encode()) for p in PROMPTS], greedy(NEW_TOKENS))
+            graphs = (len(llm.engine.context.cuda_graph_batch_dimensions_list)
+                      if llm.engine.capture_stats is not None else 0)
         finally:
             llm.shutdown()
-        out[name] = dict(tokens=generated_tokens(requests))
+        out[name] = dict(tokens=generated_tokens(requests), graphs=graphs)
     return out
 
 
@@ -185,6 +187,8 @@ def test_dynamic_engine_with_cuda_graphs_matches_stock(scope):
         pytest.skip(problem)
     for result in spawn(_dynamic, 2, scope):
         _check_generations(result)
+        assert result["stock"]["graphs"] > 0 and result["tokenweave"]["graphs"] > 0, (
+            "Megatron captured no inference CUDA graphs")
 
 
 def _openai(rank: int, world: int, ports: list[int]) -> dict:
