@@ -105,5 +105,4 @@ for d in "$group"/p* "$group"/small "$group"/aot; do
   batch="$batch, \".dw/flashinfer/$(basename "$d")\""; size=$((size + b))
 done
 [ -n "$batch" ] && echo "  carry [\".dw/recv.sh\"$batch]"
-[ -d "$group/aot" ] && echo "  then, in the last of them: python -m megatron_tokenweave.bench.flashinfer_ar"
 echo "(apache-tvm-ffi comes from ../shared/device/stage.sh fa4; receive that group first)"

@@ -38,8 +38,8 @@ be false; otherwise it returns a reason and allocates nothing.
 
 Runtime notes: flashinfer JIT-compiles its comm kernels with nvcc on first use (4-7 minutes for
 sm_90a; cached under $FLASHINFER_WORKSPACE_BASE or ~/.cache/flashinfer) unless a prebuilt module
-is staged (`.ci/stage_flashinfer.sh --aot`, installed by `_install_prebuilt`). `python -m
-megatron_tokenweave.bench.flashinfer_ar` only builds or installs it. FLASHINFER_JIT_VERBOSE=1
+is staged (`.ci/stage_flashinfer.sh --aot`; `flashinfer_fused` installs it through
+`_install_prebuilt`). FLASHINFER_JIT_VERBOSE=1
 (without FLASHINFER_JIT_DEBUG=0) builds -O0 -G kernels, so it is refused here.
 """
 
@@ -330,14 +330,3 @@ def flashinfer_fused(
         f"fp32_acc={fp32_acc}, pdl={launch_with_pdl}, oneshot=None: {auto}; {how}; workspace "
         f"{fn.workspace_bytes >> 20} MiB/rank, torch symmetric memory (CUDA backend, no multicast)"
     )
-
-
-def prebuild() -> str:
-    """Build (or find) flashinfer's trtllm comm module for the current GPU; no collective."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    _, reason, how = _load(device)
-    return reason or f"flashinfer trtllm_comm ready: {how}"
-
-
-if __name__ == "__main__":
-    print(prebuild())
