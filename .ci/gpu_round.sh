@@ -15,9 +15,12 @@
 #   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
 #          (throughput through the dynamic engine if those passed, else the static engine)
 #   kernel the kernel benchmark (FlashInfer where staged: .ci/stage_flashinfer.sh --aot)
-#   verify kernel tests and compute-sanitizer (memcheck, racecheck) on the current kernels
-#   graphs dynamic engine under Megatron's inference CUDA graphs (layer, block scope), then the
-#          e2e benchmark with them
+#   verify kernel tests (every data path) on the current kernels
+#   sanitize  compute-sanitizer (memcheck, racecheck) on the current kernels
+#   ce     the copy-engine data path: kernel benchmark (op alone and beside the GEMM) and the 70B
+#          block with both layouts on it, beside the SM-driven path
+#   graphs dynamic engine under Megatron's inference CUDA graphs (layer, block scope)
+#   e2e_graphs  the e2e benchmark with them
 #   more   local-spec layer tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,12 +70,26 @@ case "$phase" in
       --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
     ;;
   verify)
-    TAIL=8 step kernel_tests 150 python -m pytest -v tests/gpu/test_kernel.py
-    TAIL=8 step sanitizer 300 python -m pytest -v tests/gpu/test_sanitizer.py
+    TAIL=12 step kernel_tests 300 python -m pytest -v -s tests/gpu/test_kernel.py
+    ;;
+  sanitize)
+    TAIL=8 step sanitizer 480 python -m pytest -v tests/gpu/test_sanitizer.py
+    ;;
+  ce)
+    TAIL=45 step kernel_ce 220 python -m megatron_tokenweave.bench kernel --tokens 1024 2048 \
+      4096 8192 --ctas 8 16 32 --no-flashinfer --replicated-ctas --carveout-ctas --regs-ctas \
+      --iters 15 --out "$out/kernel_tp2_copy_engine.json" \
+      --record-out docs/results/kernel_tp2_copy_engine.json
+    TAIL=30 step block_ce 330 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
+      --models llama-3.3-70b --batch 1 \
+      --variants tokenweave tokenweave_sp tokenweave_ce tokenweave_sp_ce \
+      --out "$out/block_tp2_copy_engine.json"
     ;;
   graphs)
     TAIL=20 step dynamic_graphs 250 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
       -k "dynamic and cuda_graphs"
+    ;;
+  e2e_graphs)
     TAIL=12 step e2e_graphs 330 python -m megatron_tokenweave.bench e2e --engine dynamic \
       --cuda-graphs 16 --reps 3 --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
     ;;

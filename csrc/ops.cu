@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <optional>
 
+#include "tokenweave/copy_engine.cuh"
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
 #include "tokenweave/multimem.cuh"
 #include "tokenweave/oneshot.cuh"
@@ -287,6 +288,76 @@ void fused_allreduce_rmsnorm(const at::Tensor& partial, const at::Tensor& residu
   }
 }
 
+// The copy-engine data path (copy_engine.cuh). `sources`: device int64 [2 * world], the fused
+// kernel's bases on this path (data: the mirror of q, or this rank's data base at q = rank; then
+// the signal pads); `peer_data`: every rank's data base (host); `mirrors`: this rank's mirror of
+// each rank (host; entry `rank` unused), each `mirror_bytes` long inside `mirror`.
+void fused_allreduce_rmsnorm_copy_engine(
+    const at::Tensor& partial, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    double eps, at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+    bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal, int64_t rank,
+    int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns,
+    const at::Tensor& sources, at::Tensor& mirror, at::IntArrayRef peer_data,
+    at::IntArrayRef mirrors, int64_t mirror_bytes) {
+  (void)signal;
+  const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
+                                    sequence_parallel, bases, rank, world, local_base,
+                                    buffer_bytes, ctas, timeout_ns);
+  TORCH_CHECK(sources.is_cuda() && sources.scalar_type() == at::kLong &&
+                  sources.numel() == 2 * world,
+              "tokenweave: sources must be a CUDA int64 tensor of 2 * world entries");
+  TORCH_CHECK(static_cast<int64_t>(peer_data.size()) == world &&
+                  static_cast<int64_t>(mirrors.size()) == world,
+              "tokenweave: peer_data and mirrors need one entry per rank");
+  const int64_t mirror_base = reinterpret_cast<int64_t>(mirror.data_ptr());
+  const int64_t mirror_end = mirror_base + mirror.numel() * mirror.element_size();
+  for (int64_t q = 0; q < world; ++q)
+    TORCH_CHECK(q == rank || (mirrors[q] >= mirror_base && mirrors[q] + mirror_bytes <= mirror_end),
+                "tokenweave: the mirror of rank ", q, " is not inside the mirror tensor");
+  if (p.rows == 0) return;
+  const int64_t es = partial.element_size();
+  const int64_t bytes = static_cast<int64_t>(p.rows) * p.hidden * es;  // one chunk's rows
+  const int64_t src_off = p.partial_off + (sequence_parallel ? rank : 0) * p.partial_cstride;
+  TORCH_CHECK(src_off + bytes <= mirror_bytes, "tokenweave: partial rows end at byte ",
+              src_off + bytes, " of the data region, past the mirrored ", mirror_bytes);
+  c10::cuda::CUDAGuard guard(partial.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
+  const int64_t* pads = bases.data_ptr<int64_t>() + world;
+  auto copy = [&](int64_t dst, int64_t src) {
+    const cudaError_t err =
+        cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                        static_cast<size_t>(bytes), cudaMemcpyDefault, stream);
+    TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaMemcpyAsync failed: ",
+                cudaGetErrorString(err));
+  };
+  auto barrier = [&](bool end) {
+    if (end)
+      copy_engine_barrier_kernel<true><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+    else
+      copy_engine_barrier_kernel<false><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+    const cudaError_t err = cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, "tokenweave: barrier launch failed: ",
+                cudaGetErrorString(err));
+  };
+
+  barrier(false);
+  for (int64_t q = 0; q < world; ++q)
+    if (q != rank) copy(mirrors[q] + src_off, peer_data[q] + src_off);
+  FusedParams local = p;
+  local.bases = sources.data_ptr<int64_t>();
+  local.copy_engine = 1;
+  if (partial.scalar_type() == at::kBFloat16)
+    launch_p2p<__nv_bfloat16>(local, ctas, stream);
+  else
+    launch_p2p<__half>(local, ctas, stream);
+  if (sequence_parallel && weight.has_value()) {
+    const int64_t normed = p.normed_off + rank * p.normed_cstride;
+    for (int64_t q = 0; q < world; ++q)
+      if (q != rank) copy(peer_data[q] + normed, local_base + normed);
+  }
+  barrier(true);
+}
+
 // UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.
 void fused_allreduce_rmsnorm_multimem(
     const at::Tensor& partial, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
@@ -322,11 +393,19 @@ TORCH_LIBRARY(tokenweave, m) {
       "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, "
       "Tensor bases, Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, "
       "int ctas, int timeout_ns, int multicast_base) -> ()");
+  m.def(
+      "fused_allreduce_rmsnorm_copy_engine(Tensor partial, Tensor residual, Tensor? weight, "
+      "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, "
+      "Tensor bases, Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, "
+      "int ctas, int timeout_ns, Tensor sources, Tensor(d!) mirror, int[] peer_data, "
+      "int[] mirrors, int mirror_bytes) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {
   m.impl("fused_allreduce_rmsnorm", &tokenweave::fused_allreduce_rmsnorm);
   m.impl("fused_allreduce_rmsnorm_multimem", &tokenweave::fused_allreduce_rmsnorm_multimem);
+  m.impl("fused_allreduce_rmsnorm_copy_engine",
+         &tokenweave::fused_allreduce_rmsnorm_copy_engine);
 }
 
 #ifdef TORCH_EXTENSION_NAME

@@ -36,7 +36,10 @@ class TokenWeaveConfig:
     comm: how the fused op communicates: "fused" (the backend above: one P2P kernel does the
         all-reduce, residual add and norm) or "collectives" (torch.distributed collectives in the
         activations' dtype, then add and norm: the stock mechanism, which NCCL runs faster than
-        the kernel at large token counts on some machines; split or not like the kernel).
+        the kernel at large token counts on some machines; split or not like the kernel), or
+        "copy_engine" (the kernel's copy-engine data path: peers' rows move by cudaMemcpyAsync,
+        the SMs only reduce and normalize local rows: less interference with the GEMM beside
+        it; the workspace then holds a local mirror of the peers' partial region).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
     tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
         TP size, hidden size and dtype, from the cache or the shipped ones, overrides the split

@@ -240,8 +240,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 self._mlp_half(half.of(normed), partials[i], rank == 0)
                 launch(i, residual, next_norm, plan.comm_ctas_mlp, mlp_events)
 
-        defer = (next_norm is not None and cfg.defer_across_layers
-                 and not self._layer_graphs(capturing))
+        defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs()
         if not defer:
             for event in mlp_events:
                 side.wait(event)
@@ -263,11 +262,17 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         finally:
             mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
 
-    def _layer_graphs(self, capturing: bool) -> bool:
-        """Capturing a CUDA graph of this layer alone (Megatron's own cuda_graph_impl captures per
-        layer): side-stream work may not outlive the layer. A graph of a whole block or model,
-        captured by the caller, keeps the cross-layer deferral (its last layer joins)."""
-        return capturing and getattr(self.config, "cuda_graph_impl", "none") != "none"
+    def _layer_graphs(self) -> bool:
+        """Megatron's CUDA graphs capture this model layer by layer (cuda_graph_impl set, and
+        not an inference graph of the whole block): side-stream work may not outlive the layer,
+        in the captures and in the eager forwards around them (a capture cannot wait on work
+        issued before it began: CUDA's capture isolation). A graph of a whole block or model keeps
+        the cross-layer deferral (its last layer joins)."""
+        cfg = self.config
+        if getattr(cfg, "cuda_graph_impl", "none") == "none":
+            return False
+        scope = getattr(cfg, "inference_cuda_graph_scope", None)
+        return getattr(scope, "name", scope) != "block"
 
     @staticmethod
     def _input_events(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple | None:

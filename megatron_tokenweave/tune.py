@@ -34,13 +34,20 @@ SPLIT_CTAS = ((8, 8), (16, 16), (32, 32))
 
 def candidates() -> dict[str, dict]:
     """Name -> TokenWeaveConfig overrides of every candidate plan: the fused kernel unsplit and
-    split at several CTA counts, and the stock collectives unsplit and split (on the side stream).
+    split at several CTA counts, on its SM-driven and its copy-engine data path, and the stock
+    collectives unsplit and split (on the side stream).
     (A GEMM SM carve-out lost everywhere it was measured, so it is not searched.)"""
     out = {f"alone{c}": dict(split_threshold=NEVER, comm_ctas_alone=c) for c in ALONE_CTAS}
     out.update({
         f"split{a}/{m}": dict(split_threshold=0, comm_ctas_attn=a, comm_ctas_mlp=m)
         for a, m in SPLIT_CTAS
     })
+    out.update({
+        f"ce_split{a}/{m}": dict(split_threshold=0, comm_ctas_attn=a, comm_ctas_mlp=m,
+                                 comm="copy_engine")
+        for a, m in SPLIT_CTAS
+    })
+    out["ce_alone128"] = dict(split_threshold=NEVER, comm_ctas_alone=128, comm="copy_engine")
     out["collectives"] = dict(split_threshold=NEVER, comm="collectives")
     out["collectives_split"] = dict(split_threshold=0, comm="collectives")
     return out

@@ -85,6 +85,7 @@ class Workspace:
             flat = torch.empty(2 * numel, dtype=dtype, device=device)
         self.partial = flat[:numel].view(max_tokens, hidden)
         self.normed = flat[numel:].view(max_tokens, hidden)
+        self._mirror = None  # copy_engine_mirror(), made on the first copy-engine call
         # The kernel's error words, copied here without a sync (see raise_if_kernel_failed).
         self._error_host = (
             torch.zeros(4, dtype=torch.int32, pin_memory=True) if self.symmetric else None
@@ -105,6 +106,22 @@ class Workspace:
             raise RuntimeError(message)
         self._error_host.copy_(self.symmetric.error_words(), non_blocking=True)
 
+    def copy_engine_mirror(self):
+        """The local mirror of the peers' partial region for the copy-engine data path
+        (kernels.CopyEngineMirror, (TP size - 1) x the partial region), allocated on first use.
+        Not during a CUDA graph capture (its memory would belong to the graph's pool): a
+        capture needs one eager forward of the same plan first, as every warm-up gives."""
+        if self._mirror is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise TokenWeaveInputError(
+                    "the copy-engine mirror is allocated on the first eager call; run one "
+                    "forward with comm='copy_engine' before capturing a CUDA graph")
+            from megatron_tokenweave import kernels
+
+            self._mirror = kernels.CopyEngineMirror(
+                self.symmetric, self.partial.numel() * self.partial.element_size())
+        return self._mirror
+
     def is_buffer_size_sufficient(self, rows: int) -> bool:
         return rows <= self.max_tokens
 
@@ -116,6 +133,7 @@ class Workspace:
             )
 
     def destroy(self) -> None:
+        self._mirror = None
         if self.symmetric is not None:
             self.symmetric.close()
             self.symmetric = None

@@ -25,7 +25,8 @@ def test_defaults_are_valid_and_frozen():
         ("comm_ctas_alone", (1, 64, 1024), (0, -2, 1025)),
         ("max_tokens", (1, 3, 16384), (0, -5)),
         ("backend", ("auto", "kernel", "reference"), ("foo", "", "AUTO", "nccl")),
-        ("comm", ("fused", "collectives"), ("nccl", "", "Fused", "multimem")),
+        ("comm", ("fused", "collectives", "copy_engine"),
+         ("nccl", "", "Fused", "multimem", "copy-engine")),
     ],
 )
 def test_field_validation(field, good, bad):

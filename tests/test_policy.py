@@ -95,9 +95,11 @@ def test_layouts_have_their_own_tables(tmp_path, monkeypatch):
 
 def test_table_entries_choose_the_comm_mechanism(tmp_path):
     entries = [{"min_tokens": 0, "split": False},
+               {"min_tokens": 2048, "split": True, "comm": "copy_engine"},
                {"min_tokens": 4096, "split": True, "comm": "collectives"}]
     policy = SplitPolicy(TokenWeaveConfig(tuning_table=_write(tmp_path, entries=entries)), KEY)
-    assert policy.plan(4095).comm == "fused"
+    assert policy.plan(2047).comm == "fused"
+    assert (policy.plan(2048).split, policy.plan(2048).comm) == (True, "copy_engine")
     assert (policy.plan(4096).split, policy.plan(4096).comm) == (True, "collectives")
     assert SplitPolicy(TokenWeaveConfig(comm="collectives", tuning_table="none"), KEY).plan(
         1).comm == "collectives"
@@ -163,7 +165,9 @@ def test_execution_modes_have_their_own_tables_with_fallback(tmp_path, monkeypat
 def test_tuner_keeps_the_simple_plan_inside_the_noise():
     from megatron_tokenweave.tune import candidates, pick
 
-    assert {"alone64", "split16/16", "collectives", "collectives_split"} <= set(candidates())
+    assert {"alone64", "split16/16", "collectives", "collectives_split", "ce_split16/16",
+            "ce_alone128"} <= set(candidates())
+    assert candidates()["ce_split16/16"]["comm"] == "copy_engine"
     times = {"alone64": 100.0, "alone128": 101.0, "split16/16": 99.5, "collectives": 99.8}
     assert pick(times, min_gain=0.01) == "alone64"  # 0.5 % is noise
     times["split16/16"] = 98.0

@@ -161,3 +161,26 @@ def test_weave_chain_side_stream_is_shared():
     chain = WeaveChain()
     side = chain.side_stream(torch.device("cpu"))
     assert chain.side_stream(torch.device("cpu")) is side
+
+
+@pytest.mark.parametrize(
+    ("impl", "scope", "per_layer"),
+    [("none", None, False), ("local", None, True), ("local", "layer", True),
+     ("local", "block", False), ("transformer_engine", None, True)],
+)
+def test_cross_layer_deferral_off_only_for_per_layer_cuda_graphs(impl, scope, per_layer):
+    """Megatron's per-layer CUDA graphs (cuda_graph_impl set, inference scope not "block") turn
+    the cross-layer deferral off in eager forwards too: a layer's capture cannot wait on
+    side-stream work an eager predecessor left pending (CUDA capture isolation, seen on the
+    H200 with the dynamic engine at layer scope)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+    from megatron_tokenweave.layer import TokenWeaveTransformerLayer
+
+    config = SimpleNamespace(
+        cuda_graph_impl=impl,
+        inference_cuda_graph_scope=None if scope is None else InferenceCudaGraphScope[scope],
+    )
+    assert TokenWeaveTransformerLayer._layer_graphs(SimpleNamespace(config=config)) is per_layer

@@ -11,6 +11,8 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
                   (split, mechanism and CTAs per token count from the tuned table)
   tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
   tokenweave_sp_split / _nosplit  the same, always / never split (to place the threshold)
+  tokenweave_ce / tokenweave_sp_ce  either layout on the kernel's copy-engine data path
+                  (config defaults: split from 1K tokens, 16 CTAs per phase; no table)
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
 `eager` times plain Python forwards (launch overhead included). MoE shapes always run eager:
 Megatron's token dispatchers copy token counts to the host, which a graph cannot capture.
@@ -69,6 +71,8 @@ VARIANTS = {
     "tokenweave_sp": (True, {}),
     "tokenweave_sp_split": (True, {"split_threshold": 0, "tuning_table": "none"}),
     "tokenweave_sp_nosplit": (True, {"split_threshold": 1 << 30, "tuning_table": "none"}),
+    "tokenweave_ce": (False, {"comm": "copy_engine", "tuning_table": "none"}),
+    "tokenweave_sp_ce": (True, {"comm": "copy_engine", "tuning_table": "none"}),
     "tokenweave_sp_split_c16": (
         True, {"split_threshold": 0, "gemm_sm_carveout": 16, "tuning_table": "none"}
     ),

@@ -5,6 +5,7 @@ tokenweave fused kernel at several CTA counts, plus overlap beside a GEMM per me
     python -m megatron_tokenweave.bench kernel --out docs/results/kernel_tp2.json
 
 Rows: tokenweave (sequence-parallel layout, bulk-copy path where it applies),
+tokenweave_copy_engine (the same layout on the copy-engine data path),
 tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce; the
 one-shot path where it applies: kernels.oneshot_applies), and where it applies also
 tokenweave_replicated_barrier (forced onto the barrier path with TOKENWEAVE_NO_ONESHOT=1) and
@@ -49,6 +50,9 @@ MECHANISMS = {
     "high-priority side stream, launched before the GEMM",
     "tokenweave_p2p_gemm_carveout": "the same, with the GEMM told to leave `ctas` SMs free "
     "(cuBLASLt SM-count target); gemm_carveout_us = that GEMM alone",
+    "tokenweave_copy_engine_side_stream": "the fused op's copy-engine data path (peers' rows "
+    "pulled / normed rows pushed by cudaMemcpyAsync, one-CTA barrier kernels, `ctas` CTAs "
+    "reduce and normalize local rows) on the side stream",
     CE_MECHANISM: "probe, data movement only: the bytes the op moves per rank (my rows of the "
     "peer's partial in, my normed rows out) as two cudaMemcpyAsync copies on the side stream; "
     "no reduction, no inter-rank ordering",
@@ -105,6 +109,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     es = 2
     w = torch.ones(H, dtype=dtype, device=dev) + 0.01 * torch.randn(H, device=dev).to(dtype)
     buf = kernels.SymmetricBuffer(group, args.buffer_mb << 20, dev)
+    mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
     rows, overlap = [], []
     symm_reason = None
     symm = None
@@ -210,6 +215,13 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                                                 validate=False)
 
             add_row("tokenweave", T, ctas, _time(tw, args.iters))
+
+            def tw_ce(i, ctas=ctas):
+                kernels.fused_allreduce_rmsnorm(parts[i % k], res, w, EPS, res_out, normed,
+                                                Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
+                                                validate=False, mirror=mirror)
+
+            add_row("tokenweave_copy_engine", T, ctas, _time(tw_ce, args.iters))
             if ctas in args.regs_ctas:  # the register path (no bulk copies), for comparison
                 os.environ["TOKENWEAVE_NO_BULK"] = "1"
                 try:
@@ -244,11 +256,11 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
         gemm_us = _time(gemm, args.iters)
 
-        def kernel_at(ctas):
+        def kernel_at(ctas, ce_mirror=None):
             def kern(i):
                 kernels.fused_allreduce_rmsnorm(part_o, res_o, w, EPS, res_oo, normed_o,
                                                 Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
-                                                validate=False)
+                                                validate=False, mirror=ce_mirror)
             return kern
 
         # Copy engines (probe, data movement only): the bytes the op moves per rank, my rows of
@@ -271,6 +283,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         mechanisms = [(CE_MECHANISM, 0, copies, 0)]
         for ctas in args.ctas:
             mechanisms.append(("tokenweave_p2p_side_stream", ctas, kernel_at(ctas), 0))
+            mechanisms.append(("tokenweave_copy_engine_side_stream", ctas,
+                               kernel_at(ctas, mirror), 0))
             if ctas in args.carveout_ctas:
                 mechanisms.append(("tokenweave_p2p_gemm_carveout", ctas, kernel_at(ctas), ctas))
         for mechanism, ctas, op, carveout in mechanisms:
@@ -396,7 +410,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _col(r: dict) -> str:
-    short = {"tokenweave": "tw", "tokenweave_regs": "regs", "tokenweave_graph": "graph",
+    short = {"tokenweave": "tw", "tokenweave_copy_engine": "ce", "tokenweave_regs": "regs",
+             "tokenweave_graph": "graph",
              "tokenweave_localstores": "lst", "tokenweave_replicated": "rep",
              "tokenweave_replicated_barrier": "repb", "tokenweave_replicated_graph": "repG",
              "tokenweave_replicated_barrier_graph": "repbG"}

@@ -2,6 +2,7 @@
 CUDA-IPC symmetric buffer. Importing this package needs no GPU; using it does."""
 
 from megatron_tokenweave.kernels._ext import KernelUnavailableError, is_available, load_extension
+from megatron_tokenweave.kernels.copy_engine import CopyEngineMirror
 from megatron_tokenweave.kernels.fused import (
     DEFAULT_CTAS,
     MAX_CTAS,
@@ -16,6 +17,7 @@ from megatron_tokenweave.kernels.policy import multimem_refusal, select_backend
 from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
 
 __all__ = [
+    "CopyEngineMirror",
     "DEFAULT_CTAS",
     "MAX_CTAS",
     "MIN_CTAS",

@@ -65,6 +65,12 @@ def _register_fakes() -> None:
                        multicast_base):
         return None
 
+    @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm_copy_engine")
+    def _fused_ce_fake(partial, residual, weight, eps, residual_out, normed_out, sequence_parallel,
+                       bases, signal, rank, world, local_base, buffer_bytes, ctas, timeout_ns,
+                       sources, mirror, peer_data, mirrors, mirror_bytes):
+        return None
+
 
 def load_extension(verbose: bool = False) -> None:
     """Make `torch.ops.tokenweave.*` available; raise KernelUnavailableError if impossible."""

@@ -7,6 +7,7 @@ import os
 import torch
 
 from megatron_tokenweave.kernels._ext import load_extension
+from megatron_tokenweave.kernels.copy_engine import CopyEngineMirror
 from megatron_tokenweave.kernels.policy import MULTIMEM, select_backend
 from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
 from megatron_tokenweave.ops.validate import (
@@ -65,10 +66,7 @@ def check_kernel_args(partial, residual, weight, residual_out, normed_out, layou
     if partial.shape[-1] > MAX_HIDDEN:
         raise TokenWeaveInputError(f"hidden {partial.shape[-1]} > {MAX_HIDDEN}")
     if not buffer.contains(partial):
-        raise TokenWeaveInputError(
-            f"partial (offset {buffer.offset_of(partial)}, "
-            f"{partial.numel() * partial.element_size()} bytes) is not inside the symmetric buffer "
-            f"({buffer.nbytes} bytes)")
+        raise _partial_outside(partial, buffer, f"the symmetric buffer ({buffer.nbytes} bytes)")
     if weight is not None and layout is Layout.SEQUENCE_PARALLEL:
         if not buffer.contains(normed_out):
             raise TokenWeaveInputError(
@@ -76,6 +74,24 @@ def check_kernel_args(partial, residual, weight, residual_out, normed_out, layou
                 f"buffer ({buffer.nbytes} bytes): sequence-parallel rows are stored to every peer")
         if normed_out.shape[0] > 1 and (normed_out.stride(0) * normed_out.element_size()) % 16:
             raise TokenWeaveInputError("normed_out chunk stride must be a multiple of 16 bytes")
+
+
+def _partial_outside(partial: torch.Tensor, buffer: SymmetricBuffer,
+                     region: str) -> TokenWeaveInputError:
+    return TokenWeaveInputError(
+        f"partial (offset {buffer.offset_of(partial)}, "
+        f"{partial.numel() * partial.element_size()} bytes) is not inside {region}")
+
+
+def _check_mirror(mirror: CopyEngineMirror, buffer: SymmetricBuffer, partial: torch.Tensor,
+                  backend: str) -> None:
+    if mirror.buffer is not buffer:
+        raise TokenWeaveInputError("the copy-engine mirror belongs to another symmetric buffer")
+    if backend not in ("auto", "p2p"):
+        raise TokenWeaveInputError(f"the copy-engine data path is peer-to-peer, not {backend!r}")
+    if not mirror.covers(partial):
+        raise _partial_outside(partial, buffer,
+                               f"the {mirror.nbytes} mirrored bytes of the symmetric buffer")
 
 
 def fused_allreduce_rmsnorm(
@@ -91,6 +107,7 @@ def fused_allreduce_rmsnorm(
     ctas: int = DEFAULT_CTAS,
     backend: str = "auto",
     validate: bool = True,
+    mirror: CopyEngineMirror | None = None,
 ) -> None:
     """y = sum_p partial_p[chunk] + residual; residual_out = y; normed_out = RMSNorm(y) * weight.
 
@@ -99,11 +116,23 @@ def fused_allreduce_rmsnorm(
     (and, in the sequence-parallel layout, `normed_out`) must be views of `buffer.local`. Every rank
     must call with the same shapes, layout and ctas, in the same order. backend: "auto" | "p2p" |
     "multimem" (kernels.policy; multimem is opt-in and untested here).
+    mirror: take the copy-engine data path (copy_engine.cuh) with these mirrors of `buffer`
+    (peer access by copy engines; `ctas` CTAs then only reduce and normalize local rows). Every
+    rank must choose the same path.
     """
     load_extension()
     if validate:
         check_kernel_args(partial, residual, weight, residual_out, normed_out, layout, buffer,
                           ctas)
+        if mirror is not None:
+            _check_mirror(mirror, buffer, partial, backend)
+    if mirror is not None:
+        torch.ops.tokenweave.fused_allreduce_rmsnorm_copy_engine(
+            partial, residual, weight, float(eps), residual_out, normed_out,
+            layout is Layout.SEQUENCE_PARALLEL, buffer.bases, buffer.signal, buffer.rank,
+            buffer.world, buffer.local_base, buffer.nbytes, ctas, int(buffer.timeout_s * 1e9),
+            mirror.sources, mirror.mirror, mirror.peer_data, mirror.mirrors, mirror.nbytes)
+        return
     chosen = select_backend(backend, os.environ,
                             backend != "p2p" and buffer.multicast_base is not None
                             and _multicast_supported(buffer.device),

@@ -121,9 +121,7 @@ class SymmetricBuffer:
     # -- errors -------------------------------------------------------------------------------
     def error_words(self) -> torch.Tensor:
         """The device's (code, peer, cta, epoch) error words (int32 view, no copy)."""
-        # SignalPad: start[128][8], end[128][8], epoch[128], error[4] (uint32 words)
-        base = 128 * 8 * 2 + 128
-        return self.signal.view(torch.int32)[base:base + 4]
+        return self.signal.view(torch.int32)[:4]  # SignalPad begins with error[4] (signal.cuh)
 
     def error(self) -> tuple[int, int, int, int]:
         """(code, peer, cta, epoch) recorded by a kernel that timed out; syncs the device."""

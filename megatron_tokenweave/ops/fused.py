@@ -41,6 +41,8 @@ def fused_allreduce_rmsnorm(
     validate: check the arguments (the layer checks once per layer, then builds them the same
         way every call; the reference always checks).
     comm: "fused" runs the workspace's backend (the P2P kernel, or the fp32 reference);
+        "copy_engine" the same with the kernel's data moved by copy engines (the kernel backend's
+        copy-engine path; the reference backend has no such distinction and runs the reference);
         "collectives" runs torch.distributed collectives in the activations' dtype plus a separate
         add and norm (the stock mechanism; reduces in place in `partial`).
     """
@@ -57,6 +59,7 @@ def fused_allreduce_rmsnorm(
         kernels.fused_allreduce_rmsnorm(
             partial, residual, weight, eps, residual_out, normed_out, layout,
             workspace.symmetric, ctas=ctas, validate=validate,
+            mirror=workspace.copy_engine_mirror() if comm == "copy_engine" else None,
         )
     else:
         fused_allreduce_rmsnorm_reference(

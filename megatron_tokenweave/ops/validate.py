@@ -10,8 +10,8 @@ import torch
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
-Comm = Literal["fused", "collectives"]
-COMMS: tuple[str, ...] = ("fused", "collectives")
+Comm = Literal["fused", "collectives", "copy_engine"]
+COMMS: tuple[str, ...] = ("fused", "collectives", "copy_engine")
 
 
 class Layout(str, enum.Enum):

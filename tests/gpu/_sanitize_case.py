@@ -1,5 +1,6 @@
 """A small 2-rank run of the fused kernel for compute-sanitizer (memcheck, racecheck): the
-barrier path in both layouts and the one-shot path (small replicated call).
+barrier path in both layouts, the one-shot path (small replicated call) and the copy-engine path
+in both layouts.
 
 Ranks talk over gloo (no NCCL under the sanitizer), map each other's buffers by CUDA IPC and
 check the kernel against an fp32 computation of the gathered inputs. Exit code 0: all correct.
@@ -30,10 +31,15 @@ def _worker(rank: int, world: int, port: int) -> None:
                             world_size=world)
     n, hidden, dtype, eps = 37, 1024, torch.bfloat16, 1e-5
     buf = kernels.SymmetricBuffer(dist.group.WORLD, 4 << 20, rank, timeout_s=300)
+    mirror = kernels.CopyEngineMirror(buf, 1 << 20)
     gen = torch.Generator().manual_seed(7)
-    # The replicated case twice: the one-shot path (default at this size) and the barrier path.
-    for layout, no_oneshot in ((Layout.SEQUENCE_PARALLEL, "0"), (Layout.REPLICATED, "0"),
-                               (Layout.REPLICATED, "1")):
+    # The replicated case on the one-shot path (default at this size) and the barrier path; both
+    # layouts on the copy-engine path.
+    for layout, no_oneshot, ce in ((Layout.SEQUENCE_PARALLEL, "0", None),
+                                   (Layout.REPLICATED, "0", None),
+                                   (Layout.REPLICATED, "1", None),
+                                   (Layout.SEQUENCE_PARALLEL, "0", mirror),
+                                   (Layout.REPLICATED, "0", mirror)):
         os.environ["TOKENWEAVE_NO_ONESHOT"] = no_oneshot
         chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
         parts = [torch.randn(chunks, n, hidden, generator=gen).to(dtype) for _ in range(world)]
@@ -48,7 +54,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         out = torch.full_like(residual, float("nan"))
         dist.barrier()
         kernels.fused_allreduce_rmsnorm(partial, residual, weight.cuda(), eps, out, normed,
-                                        layout, buf, ctas=4)
+                                        layout, buf, ctas=4, mirror=ce)
         torch.cuda.synchronize()
         dist.barrier()
         mine = rank if chunks > 1 else 0
@@ -62,7 +68,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         err_n = max((normed[c].cpu().float() - want_normed[c]).abs().max().item()
                     for c in range(chunks))
         if not (err_y < 0.1 and err_n < 0.1):
-            raise SystemExit(f"rank {rank} {layout.value} no_oneshot={no_oneshot}: errors "
+            raise SystemExit(f"rank {rank} {layout.value} no_oneshot={no_oneshot} "
+                             f"copy_engine={ce is not None}: errors "
                              f"{err_y} {err_n}")
     buf.close()
     dist.destroy_process_group()

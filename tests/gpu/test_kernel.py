@@ -1,8 +1,9 @@
 """GPU tests of the fused all-reduce + residual + RMSNorm kernel (skip cleanly without GPUs).
 
 * test_kernel_two_gpus: 2 ranks on 2 GPUs (NCCL), every case against ops/reference.py run over NCCL
-  on the same inputs, outputs poisoned with NaN; 10,000 consecutive calls; 1,000 CUDA-graph replays;
-  a peer that never arrives -> check_error raises.
+  on the same inputs, outputs poisoned with NaN, on every data path (SM-driven bulk copies and
+  registers, one-shot, copy engines); 10,000 consecutive calls and 1,000 CUDA-graph replays per
+  path; a peer that never arrives -> check_error raises.
 * test_kernel_protocol_one_gpu: 2 processes sharing one GPU (gloo + CUDA IPC): the inter-rank
   protocol on a few cases against a locally computed expectation, and the timeout path.
 All cases of a test run inside one spawned job (one extension load, one process group).
@@ -102,6 +103,7 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     group = _init(rank, world, port, "nccl", rank)
     dev = torch.device("cuda", rank)
     buf = kernels.SymmetricBuffer(group, 320 << 20, dev)
+    mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
     t0 = time.time()
     ncase = 0
     seed = 1
@@ -124,17 +126,20 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                         # Every third case on the register path (TOKENWEAVE_NO_BULK=1), the
                         # others on the bulk-copy pipeline; small replicated calls take the
                         # one-shot path unless TOKENWEAVE_NO_ONESHOT=1 (every other case).
+                        # A third of the blocks of 8 cases on the copy-engine path.
                         regs = seed % 3 == 0
                         no_oneshot = (seed // 4) % 2 == 1  # independent of ctas, weight, alias
+                        ce = (seed // 8) % 3 == 0
                         os.environ["TOKENWEAVE_NO_BULK"] = "1" if regs else "0"
                         os.environ["TOKENWEAVE_NO_ONESHOT"] = "1" if no_oneshot else "0"
                         kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed,
-                                                        layout, buf, ctas=ctas)
+                                                        layout, buf, ctas=ctas,
+                                                        mirror=mirror if ce else None)
                         os.environ.pop("TOKENWEAVE_NO_BULK")
                         os.environ.pop("TOKENWEAVE_NO_ONESHOT")
                         what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
                                 f"n={n} weight={weight_on} alias={alias} ctas={ctas} "
-                                f"regs={regs} no_oneshot={no_oneshot}")
+                                f"regs={regs} no_oneshot={no_oneshot} copy_engine={ce}")
                         torch.testing.assert_close(res_out, ref_res, **_tol(dtype), msg=what)
                         if weight_on:
                             torch.testing.assert_close(normed, ref_normed, **_tol(dtype), msg=what)
@@ -143,20 +148,22 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     t_cases = time.time() - t0
 
     # 10,000 consecutive calls and 1,000 graph replays, partial rewritten before every call:
-    # the barrier path (sequence parallel, 256 rows) and the one-shot path (replicated, 64 rows:
-    # 10,000 rounds through its three receive buffers).
-    t_loops = [_consecutive_calls(buf, group, rank, dev, layout, n)
-               for layout, n in ((Layout.SEQUENCE_PARALLEL, 256), (Layout.REPLICATED, 64))]
+    # the barrier path (sequence parallel, 256 rows), the one-shot path (replicated, 64 rows:
+    # 10,000 rounds through its three receive buffers) and the copy-engine path (both layouts).
+    loops = ((Layout.SEQUENCE_PARALLEL, 256, None), (Layout.REPLICATED, 64, None),
+             (Layout.SEQUENCE_PARALLEL, 256, mirror), (Layout.REPLICATED, 1000, mirror))
+    t_loops = [_consecutive_calls(buf, group, rank, dev, layout, n, m) for layout, n, m in loops]
     buf.check_error()
     buf.close()
 
     _timeout_check(group, rank, dev)
     print(f"[rank {rank}] {ncase} cases in {t_cases:.1f}s, 10k calls in "
-          f"{t_loops[0]:.1f}s (barrier) / {t_loops[1]:.1f}s (one-shot), graphs OK", flush=True)
+          + " / ".join(f"{t:.1f}s" for t in t_loops)
+          + " (barrier, one-shot, copy engine sp, copy engine replicated), graphs OK", flush=True)
     dist.destroy_process_group()
 
 
-def _consecutive_calls(buf, group, rank, dev, layout, n) -> float:
+def _consecutive_calls(buf, group, rank, dev, layout, n, mirror) -> float:
     """10,000 calls alternating two inputs, then 500 replays of a graph of 2 calls; the largest
     error against the reference stays small and finite. Returns the seconds of the 10,000."""
     from megatron_tokenweave import kernels
@@ -179,11 +186,11 @@ def _consecutive_calls(buf, group, rank, dev, layout, n) -> float:
         src, residual, w, ref_res, ref_normed = sets[k]
         part.copy_(src)
         kernels.fused_allreduce_rmsnorm(part, residual, w, EPS, res_out, normed, layout, buf,
-                                        ctas=8, validate=False)
+                                        ctas=8, validate=False, mirror=mirror)
         err.copy_(torch.maximum(err, (normed.float() - ref_normed.float()).abs().max()))
         err.copy_(torch.maximum(err, (res_out.float() - ref_res.float()).abs().max()))
 
-    what = f"rank {rank} {layout.value} n={n}"
+    what = f"rank {rank} {layout.value} n={n} copy_engine={mirror is not None}"
     t1 = time.time()
     for i in range(10000):
         step(i % 2)
@@ -212,13 +219,16 @@ def _consecutive_calls(buf, group, rank, dev, layout, n) -> float:
 
 def _timeout_check(group, rank, dev) -> None:
     """Rank 0 calls, rank 1 does not: rank 0's kernel gives up and check_error names rank 1, on
-    the barrier path (sequence parallel) and the one-shot path (replicated, few rows)."""
+    the barrier path (sequence parallel), the one-shot path (replicated, few rows) and the
+    copy-engine path."""
     from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.validate import Layout
 
-    for layout, where in ((Layout.SEQUENCE_PARALLEL, "START barrier"),
-                          (Layout.REPLICATED, "one-shot exchange")):
+    for layout, where, ce in ((Layout.SEQUENCE_PARALLEL, "START barrier", False),
+                              (Layout.REPLICATED, "one-shot exchange", False),
+                              (Layout.REPLICATED, "START barrier", True)):
         buf = kernels.SymmetricBuffer(group, 1 << 20, dev, timeout_s=0.2)
+        mirror = kernels.CopyEngineMirror(buf, buf.nbytes) if ce else None
         n, hidden, dtype = 4, 1024, torch.bfloat16
         chunks = 2 if layout is Layout.SEQUENCE_PARALLEL else 1
         part = buf.view(dtype, (chunks, n, hidden), 0)
@@ -226,7 +236,7 @@ def _timeout_check(group, rank, dev) -> None:
         residual = torch.randn(n, hidden, dtype=dtype, device=dev)
         if rank == 0:
             kernels.fused_allreduce_rmsnorm(part, residual, None, EPS, residual.clone(), None,
-                                            layout, buf, ctas=2)
+                                            layout, buf, ctas=2, mirror=mirror)
             with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the {where}"):
                 buf.check_error()
         else:
@@ -243,6 +253,7 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     group = _init(rank, world, port, "gloo", 0)
     dev = torch.device("cuda", 0)
     buf = kernels.SymmetricBuffer(group, 64 << 20, dev)
+    mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
     seed = 500
     for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
         for tokens, hidden in ((1, 4096), (3, 5120), (127, 8192), (1000, 4096)):
@@ -262,9 +273,11 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
                 res_all = [_gen(seed * 16 + 8 + (c if sp else 0), (n, hidden), dtype, dev).float()
                            for c in range(chunks)]
                 y = y_all[mine] + res_all[mine]
+                ce = (seed // 2) % 2 == 1  # every shape with and without a weight on each path
                 kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout,
-                                                buf, ctas=4)
-                what = f"1-GPU rank {rank} {layout.value} tokens={tokens} H={hidden} w={weight_on}"
+                                                buf, ctas=4, mirror=mirror if ce else None)
+                what = (f"1-GPU rank {rank} {layout.value} tokens={tokens} H={hidden} "
+                        f"w={weight_on} copy_engine={ce}")
                 torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
                 if weight_on:
                     for c in range(chunks):

@@ -49,7 +49,15 @@ struct FusedParams {
   uint64_t timeout_ns;
   int debug_local_stores;     // benchmark diagnostics only (TOKENWEAVE_DEBUG_LOCAL_STORES=1):
                               // store normed rows locally, not to peers (results then WRONG)
+  int copy_engine;            // copy-engine data path (copy_engine.cuh): bases[q] are local
+                              // copies of the peers' rows; no barriers, normed rows stored
+                              // locally only (the op's copies move them)
 };
+
+// Whether the kernel stores normed rows to the peers itself (sequence parallel).
+__device__ __forceinline__ bool stores_to_peers(const FusedParams& p) {
+  return !p.copy_engine && !p.debug_local_stores;
+}
 
 // Rows per CTA iteration: keep kRows*kVpt*kNp vector loads (4 regs each) and kRows*kVpt*8 fp32
 // values of y (kRows*kVpt <= 4) within the register budget of 512 threads/CTA.
@@ -80,7 +88,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (tid == 0) {
     s_fail = 0;
-    s_epoch = next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
+    s_epoch = p.copy_engine ? 1u : next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
   }
   __syncthreads();
   const uint32_t e = s_epoch;
@@ -95,7 +103,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
   }
 
-  if (!cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) return;
+  if (!p.copy_engine &&
+      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+    return;
 
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -175,7 +185,8 @@ __global__ void __launch_bounds__(kMaxThreads)
             const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
 #pragma unroll
             for (int q = 0; q < kNp; ++q)
-              if (q < world) *reinterpret_cast<Vec16*>(const_cast<char*>(data[q]) + dst) = out;
+              if (q < world && (q == p.rank || stores_to_peers(p)))
+                *reinterpret_cast<Vec16*>(const_cast<char*>(data[q]) + dst) = out;
           } else {
             *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
           }
@@ -184,7 +195,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
 
-  cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
+  if (!p.copy_engine) cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
 }
 
 // Stages of the bulk path: at most kMaxStages, within kStageSmemBytes of dynamic shared memory.
@@ -211,7 +222,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (tid == 0) {
     s_fail = 0;
-    s_epoch = next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
+    s_epoch = p.copy_engine ? 1u : next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
     for (int s = 0; s < stages; ++s) mbar_init(&s_full[s], 1);
     fence_mbar_init();
   }
@@ -228,7 +239,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
   }
 
-  if (!cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) return;
+  if (!p.copy_engine &&
+      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+    return;
 
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -318,7 +331,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
 #pragma unroll
           for (int q = 0; q < kNp; ++q)
-            if (q < world && (!p.debug_local_stores || q == p.rank))
+            if (q < world && (q == p.rank || stores_to_peers(p)))
               *reinterpret_cast<Vec16*>(data[q] + dst) = out;
         } else {
           *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
@@ -327,7 +340,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
 
-  cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
+  if (!p.copy_engine) cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
 }
 
 }  // namespace tokenweave

@@ -42,11 +42,17 @@ constexpr int64_t kHeaderBytes = kSignalBytes + kOneShotRounds * kOneShotRoundBy
 
 enum ErrorCode : uint32_t { kOk = 0, kTimeoutStart = 1, kTimeoutEnd = 2, kTimeoutArrival = 3 };
 
+// Barrier slots: one per CTA index of the kernels' launches, plus one for the copy-engine op's
+// one-CTA barrier kernels (copy_engine.cuh). Slots are independent: each has its own epochs.
+constexpr int kBarrierSlots = kMaxCtas + 1;
+constexpr int kCopyEngineSlot = kMaxCtas;
+
 struct SignalPad {
-  uint32_t start[kMaxCtas][kMaxRanks];  // slot [b][src]: written by rank src (release), read here
-  uint32_t end[kMaxCtas][kMaxRanks];
-  uint32_t epoch[kMaxCtas];             // local: last epoch used by CTA b
-  uint32_t error[4];                    // local: code, peer, cta, epoch (or one-shot round)
+  uint32_t error[4];                    // local: code, peer, slot, epoch (or one-shot round);
+                                        // first, so the host finds it at offset 0
+  uint32_t start[kBarrierSlots][kMaxRanks];  // [b][src]: written by rank src (release), read here
+  uint32_t end[kBarrierSlots][kMaxRanks];
+  uint32_t epoch[kBarrierSlots];        // local: last epoch used by slot b
   uint32_t oneshot_round;               // local: next one-shot round
   uint32_t oneshot_done;                // local: CTAs of the current one-shot launch finished
   uint32_t oneshot_vecs[kOneShotRounds];  // local: 16-byte vectors round (i mod 3) used
