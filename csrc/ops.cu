@@ -3,7 +3,8 @@
 // implementations are registered with TORCH_LIBRARY_IMPL; fake implementations live in Python
 // (megatron_tokenweave/kernels/_ops.py). The Python wrapper validates first and raises
 // TokenWeaveInputError; the TORCH_CHECKs below are the last line of defence. No host sync, no
-// allocation: the op only launches one kernel on the current stream (CUDA-graph capturable).
+// allocation: the ops only enqueue kernels (one; the copy-engine op: barrier kernels, copies and
+// one kernel) on the current stream (CUDA-graph capturable).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -290,8 +291,9 @@ void fused_allreduce_rmsnorm(const at::Tensor& partial, const at::Tensor& residu
 
 // The copy-engine data path (copy_engine.cuh). `sources`: device int64 [2 * world], the fused
 // kernel's bases on this path (data: the mirror of q, or this rank's data base at q = rank; then
-// the signal pads); `peer_data`: every rank's data base (host); `mirrors`: this rank's mirror of
-// each rank (host; entry `rank` unused), each `mirror_bytes` long inside `mirror`.
+// the signal pads); `peer_data`: every rank's data base (host; entry `rank` = local_base);
+// `mirrors`: this rank's mirror of each rank (host; entry `rank` unused), each `mirror_bytes`
+// long inside `mirror`, 16-byte aligned.
 void fused_allreduce_rmsnorm_copy_engine(
     const at::Tensor& partial, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
     double eps, at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
@@ -309,11 +311,16 @@ void fused_allreduce_rmsnorm_copy_engine(
   TORCH_CHECK(static_cast<int64_t>(peer_data.size()) == world &&
                   static_cast<int64_t>(mirrors.size()) == world,
               "tokenweave: peer_data and mirrors need one entry per rank");
+  TORCH_CHECK(sources.device() == partial.device() && mirror.device() == partial.device(),
+              "tokenweave: sources and mirror must be on partial's device");
+  TORCH_CHECK(peer_data[rank] == local_base, "tokenweave: peer_data[rank] is not local_base");
   const int64_t mirror_base = reinterpret_cast<int64_t>(mirror.data_ptr());
   const int64_t mirror_end = mirror_base + mirror.numel() * mirror.element_size();
   for (int64_t q = 0; q < world; ++q)
-    TORCH_CHECK(q == rank || (mirrors[q] >= mirror_base && mirrors[q] + mirror_bytes <= mirror_end),
-                "tokenweave: the mirror of rank ", q, " is not inside the mirror tensor");
+    TORCH_CHECK(q == rank || (mirrors[q] >= mirror_base && mirrors[q] % kVecBytes == 0 &&
+                              mirrors[q] + mirror_bytes <= mirror_end),
+                "tokenweave: the mirror of rank ", q,
+                " is not a 16-byte aligned region inside the mirror tensor");
   if (p.rows == 0) return;
   const int64_t es = partial.element_size();
   const int64_t bytes = static_cast<int64_t>(p.rows) * p.hidden * es;  // one chunk's rows
@@ -330,17 +337,19 @@ void fused_allreduce_rmsnorm_copy_engine(
     TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaMemcpyAsync failed: ",
                 cudaGetErrorString(err));
   };
-  auto barrier = [&](bool end) {
-    if (end)
-      copy_engine_barrier_kernel<true><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+  auto barrier = [&](int phase) {
+    if (phase == kCeStart)
+      copy_engine_barrier_kernel<kCeStart><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+    else if (phase == kCeMid)
+      copy_engine_barrier_kernel<kCeMid><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
     else
-      copy_engine_barrier_kernel<false><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+      copy_engine_barrier_kernel<kCeEnd><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
     const cudaError_t err = cudaGetLastError();
     TORCH_CHECK(err == cudaSuccess, "tokenweave: barrier launch failed: ",
                 cudaGetErrorString(err));
   };
 
-  barrier(false);
+  barrier(kCeStart);
   for (int64_t q = 0; q < world; ++q)
     if (q != rank) copy(mirrors[q] + src_off, peer_data[q] + src_off);
   FusedParams local = p;
@@ -350,12 +359,14 @@ void fused_allreduce_rmsnorm_copy_engine(
     launch_p2p<__nv_bfloat16>(local, ctas, stream);
   else
     launch_p2p<__half>(local, ctas, stream);
-  if (sequence_parallel && weight.has_value()) {
-    const int64_t normed = p.normed_off + rank * p.normed_cstride;
-    for (int64_t q = 0; q < world; ++q)
-      if (q != rank) copy(peer_data[q] + normed, local_base + normed);
+  if (sequence_parallel && weight.has_value()) {  // pull every peer's normed chunk
+    barrier(kCeMid);
+    for (int64_t q = 0; q < world; ++q) {
+      const int64_t normed = p.normed_off + q * p.normed_cstride;
+      if (q != rank) copy(local_base + normed, peer_data[q] + normed);
+    }
   }
-  barrier(true);
+  barrier(kCeEnd);
 }
 
 // UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.

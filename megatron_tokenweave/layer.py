@@ -263,16 +263,13 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
 
     def _layer_graphs(self) -> bool:
-        """Megatron's CUDA graphs capture this model layer by layer (cuda_graph_impl set, and
-        not an inference graph of the whole block): side-stream work may not outlive the layer,
-        in the captures and in the eager forwards around them (a capture cannot wait on work
-        issued before it began: CUDA's capture isolation). A graph of a whole block or model keeps
-        the cross-layer deferral (its last layer joins)."""
-        cfg = self.config
-        if getattr(cfg, "cuda_graph_impl", "none") == "none":
-            return False
-        scope = getattr(cfg, "inference_cuda_graph_scope", None)
-        return getattr(scope, "name", scope) != "block"
+        """Megatron captures this layer in CUDA graphs of its own (it gave the layer a
+        `cudagraph_manager`: cuda_graph_impl="local", unless inference graphs are owned by the
+        block): side-stream work may not outlive the layer, in the captures and in the eager
+        forwards around them (a capture cannot wait on work issued before it began: CUDA's
+        capture isolation). A graph of a whole block or model keeps the cross-layer deferral
+        (its last layer joins)."""
+        return hasattr(self, "cudagraph_manager")
 
     @staticmethod
     def _input_events(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple | None:

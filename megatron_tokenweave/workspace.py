@@ -133,10 +133,10 @@ class Workspace:
             )
 
     def destroy(self) -> None:
-        self._mirror = None
         if self.symmetric is not None:
-            self.symmetric.close()
+            self.symmetric.close()  # synchronizes: no copy into the mirror is still running
             self.symmetric = None
+        self._mirror = None
 
 
 _workspaces: dict[tuple, Workspace] = {}

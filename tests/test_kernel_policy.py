@@ -147,3 +147,21 @@ def test_oneshot_applies_to_small_replicated_calls_only():
     assert oneshot_applies(Layout.REPLICATED, 2, 512, 4096, 2)
     assert not oneshot_applies(Layout.REPLICATED, 8, 128, 8192, 2)  # 16 MiB at TP=8
     assert not oneshot_applies(Layout.SEQUENCE_PARALLEL, 2, 1, 8192, 2)
+
+
+def test_error_names_the_copy_engine_barrier_slots():
+    """Timeouts in the copy-engine op's barrier kernels (slots kCopyEngineSlot and
+    kCopyEngineMidSlot after the kMaxCtas CTA slots of signal.cuh) are named as such."""
+    import pathlib
+    import re
+
+    header = pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave"
+    max_ctas = int(re.search(r"kMaxCtas\s*=\s*(\d+);",
+                             (header / "common.cuh").read_text()).group(1))
+    signal = (header / "signal.cuh").read_text()
+    assert "kCopyEngineSlot = kMaxCtas;" in signal
+    assert "kCopyEngineMidSlot = kMaxCtas + 1;" in signal
+    stub = _StubBuffer()
+    assert "(CTA 5," in stub.describe_error(1, 1, 5, 7)
+    assert "(copy-engine op, START/END," in stub.describe_error(1, 1, max_ctas, 7)
+    assert "(copy-engine op, MID," in stub.describe_error(1, 1, max_ctas + 1, 7)

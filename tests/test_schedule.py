@@ -163,24 +163,25 @@ def test_weave_chain_side_stream_is_shared():
     assert chain.side_stream(torch.device("cpu")) is side
 
 
-@pytest.mark.parametrize(
-    ("impl", "scope", "per_layer"),
-    [("none", None, False), ("local", None, True), ("local", "layer", True),
-     ("local", "block", False), ("transformer_engine", None, True)],
-)
-def test_cross_layer_deferral_off_only_for_per_layer_cuda_graphs(impl, scope, per_layer):
-    """Megatron's per-layer CUDA graphs (cuda_graph_impl set, inference scope not "block") turn
-    the cross-layer deferral off in eager forwards too: a layer's capture cannot wait on
-    side-stream work an eager predecessor left pending (CUDA capture isolation, seen on the
-    H200 with the dynamic engine at layer scope)."""
+def test_cross_layer_deferral_off_only_where_megatron_graphs_each_layer():
+    """A layer with Megatron's CUDA-graph manager (captured layer by layer) never defers work
+    across its boundary, in eager forwards either: a layer's capture cannot wait on side-stream
+    work an eager predecessor left pending (CUDA capture isolation, seen on the H200 with the
+    dynamic engine at layer scope). Block-scope inference graphs give layers no manager
+    (Megatron's own rule, run here) and keep the deferral."""
     from types import SimpleNamespace
 
     from megatron.core.transformer.enums import InferenceCudaGraphScope
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_tokenweave.layer import TokenWeaveTransformerLayer
 
-    config = SimpleNamespace(
-        cuda_graph_impl=impl,
-        inference_cuda_graph_scope=None if scope is None else InferenceCudaGraphScope[scope],
-    )
-    assert TokenWeaveTransformerLayer._layer_graphs(SimpleNamespace(config=config)) is per_layer
+    block = SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[],
+                            inference_cuda_graph_scope=InferenceCudaGraphScope.block)
+    layer = SimpleNamespace(config=block, is_moe_layer=False,
+                            submodules_config=SimpleNamespace(self_attention=None, mlp=None))
+    TransformerLayer.create_mcore_cudagraph_manager(layer, block)
+    assert TokenWeaveTransformerLayer._layer_graphs(layer) is False
+    assert TokenWeaveTransformerLayer._layer_graphs(SimpleNamespace()) is False
+    managed = SimpleNamespace(cudagraph_manager=object())
+    assert TokenWeaveTransformerLayer._layer_graphs(managed) is True

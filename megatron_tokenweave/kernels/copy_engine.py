@@ -14,7 +14,7 @@ from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
 
 
 class CopyEngineMirror:
-    """`nbytes` of local device memory per peer of `buffer`'s group.
+    """`nbytes` (rounded up to 256) of local device memory per peer of `buffer`'s group.
 
     Attributes: buffer, nbytes (mirrored prefix of the data region), mirror (uint8 tensor of
     (world - 1) * nbytes), mirrors (host: this rank's mirror of each rank, 0 for itself),
@@ -26,7 +26,7 @@ class CopyEngineMirror:
         if not 0 < nbytes <= buffer.nbytes:
             raise ValueError(f"mirror of {nbytes} bytes: must be in (0, {buffer.nbytes}]")
         self.buffer = buffer
-        self.nbytes = int(nbytes)
+        self.nbytes = (int(nbytes) + 255) // 256 * 256  # every peer's slot 16-byte aligned
         world, rank = buffer.world, buffer.rank
         self.mirror = torch.empty((world - 1) * self.nbytes, dtype=torch.uint8,
                                   device=buffer.device)

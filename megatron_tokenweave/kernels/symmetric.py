@@ -18,6 +18,10 @@ from megatron_tokenweave.kernels._ext import load_extension
 DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENWEAVE_KERNEL_TIMEOUT_S", "10"))
 _ALIGN = 256
 _ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)"}
+# Barrier slots of the signal pad (signal.cuh): one per CTA index (kMaxCtas), then the
+# copy-engine op's two (START/END, MID).
+_CTA_SLOTS = 128
+_SLOT_NAMES = {_CTA_SLOTS: "copy-engine op, START/END", _CTA_SLOTS + 1: "copy-engine op, MID"}
 
 
 class SymmetricBuffer:
@@ -133,9 +137,10 @@ class SymmetricBuffer:
         """The message for error words read from the device (None when there is no error)."""
         if not code:
             return None
+        where = _SLOT_NAMES.get(cta, f"CTA {cta}")
         return (
             f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
-            f"{_ERRORS.get(code, '?')} (CTA {cta}, epoch/round {epoch}, timeout "
+            f"{_ERRORS.get(code, '?')} ({where}, epoch/round {epoch}, timeout "
             f"{self.timeout_s} s); the ranks' calls diverged or a peer died"
         )
 

@@ -42,10 +42,12 @@ constexpr int64_t kHeaderBytes = kSignalBytes + kOneShotRounds * kOneShotRoundBy
 
 enum ErrorCode : uint32_t { kOk = 0, kTimeoutStart = 1, kTimeoutEnd = 2, kTimeoutArrival = 3 };
 
-// Barrier slots: one per CTA index of the kernels' launches, plus one for the copy-engine op's
-// one-CTA barrier kernels (copy_engine.cuh). Slots are independent: each has its own epochs.
-constexpr int kBarrierSlots = kMaxCtas + 1;
+// Barrier slots: one per CTA index of the kernels' launches, plus two for the copy-engine op's
+// one-CTA barrier kernels (copy_engine.cuh: START/END on the first, MID on the second's start
+// flags, all with the first slot's epoch).
+constexpr int kBarrierSlots = kMaxCtas + 2;
 constexpr int kCopyEngineSlot = kMaxCtas;
+constexpr int kCopyEngineMidSlot = kMaxCtas + 1;
 
 struct SignalPad {
   uint32_t error[4];                    // local: code, peer, slot, epoch (or one-shot round);
