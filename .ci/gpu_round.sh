@@ -54,9 +54,9 @@ case "$phase" in
       --models mixtral-8x7b --variants tokenweave tokenweave_sp --out "$out/block_moe_tp2.json"
     ;;
   tests)
-    TAIL=8 step te_parity 120 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
+    TAIL=8 step te_parity 180 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
     TAIL=8 step serving 100 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
-    TAIL=8 step graph_replay 90 python -m pytest -v tests/gpu/test_layer_gpu.py -k graph_replay
+    TAIL=8 step graph_replay 130 python -m pytest -v tests/gpu/test_layer_gpu.py -k graph_replay
     ;;
   e2e)
     engine=static

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_tokenweave.launch import spawn
+from megatron_tokenweave.ops.validate import COMMS
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)"
@@ -84,7 +85,7 @@ def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
     layer_mod.fused_allreduce_rmsnorm = counting
     results = []
     for sp in (False, True):
-        mechanisms = [("kernel", "fused"), ("kernel", "collectives")]
+        mechanisms = [("kernel", "fused"), ("kernel", "copy_engine"), ("kernel", "collectives")]
         if not te:
             mechanisms.append(("reference", "fused"))
         for backend, comm in mechanisms:
@@ -194,7 +195,7 @@ def _graph(rank: int, world: int) -> list[float]:
     initialize_model_parallel(world)
     shape = Shape(1024, 2816, 8, 2, vocab=1024)
     errors = []
-    for sp, comm in itertools.product((False, True), ("fused", "collectives")):
+    for sp, comm in itertools.product((False, True), COMMS):
         cfg = llama_config(shape, 3, world, sequence_parallel=sp, bf16=True,
                            params_dtype=torch.bfloat16)
         tw_config = TokenWeaveConfig(split_threshold=256, max_tokens=4096, comm=comm,
@@ -225,5 +226,5 @@ def _graph(rank: int, world: int) -> list[float]:
 
 def test_cuda_graph_replay_matches_eager():
     errors = spawn(_graph, 2)[0]
-    assert len(errors) == 2 * 2 * 2 * 20  # layouts x mechanisms x shapes x replays
+    assert len(errors) == 2 * len(COMMS) * 2 * 20  # layouts x mechanisms x shapes x replays
     assert max(errors) == 0.0, f"graph replay differs from eager: {max(errors)}"
