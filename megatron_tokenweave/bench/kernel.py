@@ -50,9 +50,9 @@ MECHANISMS = {
     "high-priority side stream, launched before the GEMM",
     "tokenweave_p2p_gemm_carveout": "the same, with the GEMM told to leave `ctas` SMs free "
     "(cuBLASLt SM-count target); gemm_carveout_us = that GEMM alone",
-    "tokenweave_copy_engine_side_stream": "the fused op's copy-engine data path (peers' rows "
-    "pulled / normed rows pushed by cudaMemcpyAsync, one-CTA barrier kernels, `ctas` CTAs "
-    "reduce and normalize local rows) on the side stream",
+    "tokenweave_copy_engine_side_stream": "the fused op's copy-engine data path (peers' partial "
+    "rows, then their normed rows, pulled by cudaMemcpyAsync; one-CTA barrier kernels; `ctas` "
+    "CTAs reduce and normalize local rows) on the side stream",
     CE_MECHANISM: "probe, data movement only: the bytes the op moves per rank (my rows of the "
     "peer's partial in, my normed rows out) as two cudaMemcpyAsync copies on the side stream; "
     "no reduction, no inter-rank ordering",
@@ -268,7 +268,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         # reduction, no inter-rank ordering.
         peer = (rank + 1) % world
         row_bytes = nh * H * es
-        peer_data = buf.peer_allocs[peer] + buf.signal_bytes
+        peer_data = buf.peer_data[peer]
         pull_src = torch.ops.tokenweave.tensor_from_ptr(
             peer_data + rank * row_bytes, row_bytes, dev.index)
         push_dst = torch.ops.tokenweave.tensor_from_ptr(

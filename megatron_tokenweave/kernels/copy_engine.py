@@ -18,7 +18,7 @@ class CopyEngineMirror:
 
     Attributes: buffer, nbytes (mirrored prefix of the data region), mirror (uint8 tensor of
     (world - 1) * nbytes), mirrors (host: this rank's mirror of each rank, 0 for itself),
-    peer_data (host: every rank's data base), sources (device int64 [2 * world]: the kernel's
+    sources (device int64 [2 * world]: the kernel's
     data bases on this path, own data base at `rank`, then the signal pads).
     """
 
@@ -33,7 +33,6 @@ class CopyEngineMirror:
         base = self.mirror.data_ptr()
         slots = [q if q < rank else q - 1 for q in range(world)]
         self.mirrors = [0 if q == rank else base + slots[q] * self.nbytes for q in range(world)]
-        self.peer_data = [alloc + buffer.signal_bytes for alloc in buffer.peer_allocs]
         data = [buffer.local_base if q == rank else self.mirrors[q] for q in range(world)]
         self.sources = torch.tensor(data + buffer.peer_allocs, dtype=torch.int64,
                                     device=buffer.device)

@@ -131,7 +131,7 @@ def fused_allreduce_rmsnorm(
             partial, residual, weight, float(eps), residual_out, normed_out,
             layout is Layout.SEQUENCE_PARALLEL, buffer.bases, buffer.signal, buffer.rank,
             buffer.world, buffer.local_base, buffer.nbytes, ctas, int(buffer.timeout_s * 1e9),
-            mirror.sources, mirror.mirror, mirror.peer_data, mirror.mirrors, mirror.nbytes)
+            mirror.sources, mirror.mirror, buffer.peer_data, mirror.mirrors, mirror.nbytes)
         return
     chosen = select_backend(backend, os.environ,
                             backend != "p2p" and buffer.multicast_base is not None

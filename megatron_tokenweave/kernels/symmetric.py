@@ -29,11 +29,12 @@ class SymmetricBuffer:
     signal pad and the one-shot path's three 8 MiB receive buffers (24 MiB more per rank; never
     zero the header by hand, "+0.0" reads as "arrived": recreate the buffer instead).
 
-    Attributes: rank, world, device, nbytes, local (uint8 CUDA tensor of the local data region:
-    carve typed views with `.local[a:b].view(dtype).view(shape)`), local_base (int address of
-    `local`), bases (CUDA int64 [2*world]: data bases, then signal-pad bases, in device memory),
-    signal (uint8 CUDA tensor of the local header), timeout_s, multicast_base (None unless a
-    caller that may use multicast sets it; never created here).
+    Attributes: rank, world, device, nbytes, peer_allocs / peer_data (host: every rank's
+    allocation / data-region base, as mapped here), local (uint8 CUDA tensor of the local data
+    region: carve typed views with `.local[a:b].view(dtype).view(shape)`), local_base (int
+    address of `local`), bases (CUDA int64 [2*world]: data bases, then signal-pad bases, in
+    device memory), signal (uint8 CUDA tensor of the local header), timeout_s, multicast_base
+    (None unless a caller that may use multicast sets it; never created here).
     Call ops on one buffer in the same order on every rank, one at a time (one stream or ordered
     streams). `close()` is collective.
     """
@@ -86,8 +87,8 @@ class SymmetricBuffer:
             self._release()
             raise
         self.peer_allocs = allocs
-        data = [a + self.signal_bytes for a in allocs]
-        self.bases = torch.tensor(data + allocs, dtype=torch.int64, device=self.device)
+        self.peer_data = [a + self.signal_bytes for a in allocs]
+        self.bases = torch.tensor(self.peer_data + allocs, dtype=torch.int64, device=self.device)
         self.local_base = self._alloc + self.signal_bytes
         self.local = ops.tensor_from_ptr(self.local_base, self.nbytes, dev)
         self.signal = ops.tensor_from_ptr(self._alloc, self.signal_bytes, dev)
