@@ -5,13 +5,14 @@
 # (one call carries at most 64 MiB; ~10 s each). The first phase run
 # builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`
 # in a staging call did not build it on 2026-11-30).
-# Results and per-step logs under $OUT. Phases (each fits one 10-minute device call):
+# Results and per-step logs under $OUT. Phases, one or more per call (`gpu_round.sh moe_tests
+# moe_bench`; each phase fits one 10-minute device call):
 #   tune   split-policy tables for the 70B/Qwen (hidden 8192) and 8B (hidden 4096) shapes, both
 #          layouts, graph and eager, on TE; copied to $OUT/tables (commit them as
 #          megatron_tokenweave/tables/)
 #   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
 #          its block (eager)
-#   tests  TE-spec parity, static-engine serving, the woven block's CUDA-graph replay test
+#   tests  TE-spec parity, static-engine serving (graph replay: moe_tests)
 #   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
 #          (throughput through the dynamic engine if those passed, else the static engine)
 #   kernel the kernel benchmark (FlashInfer where staged: .ci/stage_flashinfer.sh --aot)
@@ -22,10 +23,15 @@
 #   graphs dynamic engine under Megatron's inference CUDA graphs (layer, block scope)
 #   e2e_graphs  the e2e benchmark with them
 #   more   local-spec layer tests
+#   moe_tests  GPU parity of the model families (Mixtral: all-gather and padded all-to-all
+#          dispatch, local and TE specs), CUDA-graph replay == eager (every comm, padded MoE),
+#          a capture after an eager warm-up with per-mode tables
+#   tune_moe   graph tables for Mixtral with the padded (capturable) dispatch
+#   moe_bench  its block as CUDA graphs, the split placed by always / never variants
+#   prefill    e2e prefill latency only, with the stock model's no-communication ceiling
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
-phase=${1:-tests}
 out=${OUT:-/tmp/out}; logs="$out/logs"; mkdir -p "$logs"
 quiet() { grep -v "arn\|DEPRECATED\|func(\|^\s*$" ; }
 step() {
@@ -36,7 +42,8 @@ step() {
 python -c "import torch, megatron_tokenweave._C" 2>/dev/null \
   || step build 200 python -m pip install -v --no-build-isolation --no-deps -e .
 python -c "import torch, megatron_tokenweave._C; print('extension: built by setup.py')" 2>&1 | tail -1
-python -c "import transformer_engine.pytorch as te; print('TE', te.__version__)" 2>&1 | tail -1
+python -c "import importlib.metadata as m; print('TE', m.version('transformer_engine'))" 2>&1 | tail -1
+for phase in "${@:-tests}"; do
 case "$phase" in
   tune)
     TAIL=14 step tune70b 300 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 260
@@ -56,7 +63,6 @@ case "$phase" in
   tests)
     TAIL=8 step te_parity 180 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k te_spec
     TAIL=8 step serving 100 python -m pytest -v -rs tests/gpu/test_serving_gpu.py -k static
-    TAIL=8 step graph_replay 130 python -m pytest -v tests/gpu/test_layer_gpu.py -k graph_replay
     ;;
   e2e)
     engine=static
@@ -93,8 +99,27 @@ case "$phase" in
     TAIL=12 step e2e_graphs 330 python -m megatron_tokenweave.bench e2e --engine dynamic \
       --cuda-graphs 16 --reps 3 --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
     ;;
+  moe_tests)
+    TAIL=10 step moe_tests 420 python -m pytest -v -s tests/gpu/test_layer_gpu.py \
+      -k "families or graph_replay or capture_after"
+    ;;
+  tune_moe)
+    TAIL=14 step tune_moe_graph 230 python -m megatron_tokenweave.tune --model mixtral-8x7b \
+      --moe-dispatch padded --budget-s 200
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*_moe.json "$out/tables/"
+    ;;
+  moe_bench)
+    TAIL=14 step block_moe_graph 330 python -m megatron_tokenweave.bench block --modes graph \
+      --iters 15 --models mixtral-8x7b --moe-dispatch padded --batch 1 --variants tokenweave \
+      tokenweave_sp tokenweave_sp_split tokenweave_sp_nosplit --out "$out/block_moe_graph_tp2.json"
+    ;;
+  prefill)
+    TAIL=10 step prefill 330 python -m megatron_tokenweave.bench e2e --metrics prefill --reps 5 \
+      --out "$out/e2e_prefill_tp2.json"
+    ;;
   more)
     TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"
     ;;
 esac
+done
 exit 0

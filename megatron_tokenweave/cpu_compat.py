@@ -13,9 +13,18 @@ from typing import Any
 import torch
 
 
+class _HostStream:
+    """Stands in for torch.cuda.Stream when a module only creates one (Megatron's all-to-all MoE
+    dispatcher makes a device-to-host copy stream that its drop-and-pad mode never uses)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def cpu_device_scope() -> Iterator[None]:
-    """Make `torch.cuda.current_device()` answer "cpu" inside the scope, on CPU-only machines.
+    """Make `torch.cuda.current_device()` answer "cpu" and `torch.cuda.Stream()` build a
+    stand-in inside the scope, on CPU-only machines.
 
     Megatron builds RoPE and attention buffers on `torch.cuda.current_device()`; with this they
     land on the CPU. On a machine with CUDA the scope changes nothing.
@@ -23,12 +32,13 @@ def cpu_device_scope() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    original = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.Stream
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
     try:
         yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.current_device, torch.cuda.Stream = saved  # type: ignore[assignment,misc]
 
 
 class _HostEvent:

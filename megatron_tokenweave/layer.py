@@ -17,6 +17,7 @@ Where the fused path does not apply, the stock TransformerLayer.forward runs (lo
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -188,6 +189,12 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
         validate = not self._validated
         self._validated = True
+        if validate and not capturing and ws.backend == "kernel":
+            # Megatron warms up eagerly, then captures with the CUDA-graph table: if that table
+            # can pick the copy-engine path, its mirror must exist before the capture.
+            captured = dataclasses.replace(key, cuda_graphs=True)
+            if get_policy(cfg, captured).may_copy_engine:
+                ws.copy_engine_mirror()
 
         def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, events: list) -> None:
             """Half i's fused op: main stream when unsplit, else the side stream (+ an event)."""

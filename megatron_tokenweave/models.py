@@ -40,8 +40,32 @@ SHAPES = {
 }
 
 
-def llama_config(shape: Shape, num_layers: int, tp: int, **overrides: Any) -> TransformerConfig:
-    """A TransformerConfig for `shape` at tensor-parallel size `tp`."""
+# How MoE shapes dispatch tokens (both woven by TokenWeave; megatron_tokenweave/moe.py):
+#   allgather  Megatron's all-gather dispatcher, dropless (reads token counts on the host: eager)
+#   padded     Megatron's all-to-all dispatcher in drop-and-pad mode with capacity factor
+#              experts / top-k: every expert takes every token (no drops, the same outputs),
+#              fixed shapes, no host sync: CUDA-graph capturable, at experts / top-k x the FLOPs
+MOE_DISPATCH = ("allgather", "padded")
+
+
+def moe_config(shape: Shape, dispatch: str = "allgather") -> dict[str, Any]:
+    """TransformerConfig fields of `shape`'s experts with the `dispatch` of MOE_DISPATCH."""
+    if dispatch not in MOE_DISPATCH:
+        raise ValueError(f"MoE dispatch must be one of {MOE_DISPATCH}, got {dispatch!r}")
+    fields: dict[str, Any] = dict(num_moe_experts=shape.experts, moe_router_topk=shape.topk,
+                                  moe_ffn_hidden_size=shape.ffn)
+    if dispatch == "allgather":
+        return {**fields, "moe_token_dispatcher_type": "allgather"}
+    return {**fields, "moe_token_dispatcher_type": "alltoall",
+            "moe_expert_capacity_factor": shape.experts / shape.topk,
+            "moe_pad_expert_input_to_capacity": True}
+
+
+def llama_config(
+    shape: Shape, num_layers: int, tp: int, moe_dispatch: str = "allgather", **overrides: Any
+) -> TransformerConfig:
+    """A TransformerConfig for `shape` at tensor-parallel size `tp` (MoE shapes: experts
+    dispatched by `moe_dispatch`, one of MOE_DISPATCH)."""
     kwargs: dict[str, Any] = dict(
         num_layers=num_layers,
         hidden_size=shape.hidden,
@@ -66,12 +90,7 @@ def llama_config(shape: Shape, num_layers: int, tp: int, **overrides: Any) -> Tr
     if shape.qkv_bias:
         kwargs["add_qkv_bias"] = True
     if shape.experts:
-        kwargs.update(
-            num_moe_experts=shape.experts,
-            moe_router_topk=shape.topk,
-            moe_ffn_hidden_size=shape.ffn,
-            moe_token_dispatcher_type="allgather",  # the dispatcher TokenWeave weaves
-        )
+        kwargs.update(moe_config(shape, moe_dispatch))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -1,4 +1,12 @@
-"""MoE layers in the woven schedule: Megatron's MoELayer with the all-gather token dispatcher.
+"""MoE layers in the woven schedule: Megatron's MoELayer with a token dispatcher that drops nothing.
+
+Two of Megatron's dispatchers (expert parallelism 1, expert TP = TP):
+- all-gather, dropless: the reference MoE; it copies token counts to the host (eager only);
+- all-to-all in drop-and-pad mode with a capacity that holds every token (capacity factor
+  >= experts / top-k): every expert computes a fixed [capacity, H] block, no host sync, so a CUDA
+  graph can capture it; the padded rows cost experts / top-k x the routed FLOPs.
+Token dropping (a smaller capacity) is refused: which tokens an expert drops depends on the batch
+it sees, and the split hands it half a batch, so outputs would differ from the stock layer's.
 
 The woven layer hands the MoE layer every token of a half (already gathered: the normed rows of
 all chunks), so the dispatcher's own all-gather is not needed, and it takes the experts'
@@ -16,25 +24,41 @@ from collections.abc import Iterator
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
 
 
 def is_moe(mlp: torch.nn.Module) -> bool:
     return isinstance(mlp, MoELayer)
 
 
+def drops_no_token(config) -> bool:
+    """No expert capacity (dropless), or one that holds every token: capacity = ceil(tokens x
+    top-k / experts x factor) >= tokens, the most tokens one expert can be routed."""
+    factor = config.moe_expert_capacity_factor
+    return factor is None or factor * config.moe_router_topk >= config.num_moe_experts
+
+
 def unsupported_reason(layer: MoELayer) -> str | None:
     """Why this MoE layer cannot be woven (None when it can)."""
     config = layer.config
     dispatcher = layer.token_dispatcher
-    if type(dispatcher) is not MoEAllGatherTokenDispatcher:
-        return f"MoE dispatcher {type(dispatcher).__name__} (woven: allgather only)"
+    kind = type(dispatcher)
+    if kind is MoEAlltoAllTokenDispatcher and not config.moe_pad_expert_input_to_capacity:
+        return ("MoE all-to-all dispatcher without moe_pad_expert_input_to_capacity (woven: "
+                "all-gather, or all-to-all in drop-and-pad mode)")
+    if kind not in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher):
+        return f"MoE dispatcher {kind.__name__} (woven: allgather, or alltoall drop-and-pad)"
     if dispatcher.ep_size != 1:
         return "MoE with expert parallelism"
     if getattr(layer, "use_shared_expert", False):
         return "MoE with shared experts"
-    if config.moe_expert_capacity_factor is not None:
-        return "MoE with an expert capacity factor (token dropping)"
+    if not drops_no_token(config):
+        return (f"MoE capacity factor {config.moe_expert_capacity_factor} drops tokens (woven: "
+                f"none, or >= experts / top-k = "
+                f"{config.num_moe_experts / config.moe_router_topk:g}, which drops none)")
     if getattr(config, "moe_latent_size", None):
         return "latent MoE"
     etp = getattr(config, "expert_tensor_parallel_size", None)

@@ -130,6 +130,13 @@ class SplitPolicy:
             raise ValueError(f"{self.cfg.tuning_table} has no table for {self.key}")
         return []
 
+    @property
+    def may_copy_engine(self) -> bool:
+        """Whether a plan of this policy can run the copy-engine data path (which needs the
+        workspace's mirror allocated outside any CUDA-graph capture)."""
+        return self.cfg.comm == "copy_engine" or any(
+            entry.get("comm") == "copy_engine" for entry in self.entries)
+
     def plan(self, tokens: int) -> Plan:
         """The plan for a forward of `tokens` tokens (all shards together)."""
         base = Plan(

@@ -3,7 +3,8 @@
     python -m megatron_tokenweave.tune --model llama-3.3-70b --tp 2
 
 For each layout (replicated, sequence parallel), each execution mode (CUDA-graph replays, eager
-forwards; MoE shapes eager only) and every token count of the grid it times, interleaved, a
+forwards; MoE shapes: eager with the all-gather dispatcher, CUDA graphs with the padded all-to-all
+one, `--moe-dispatch`) and every token count of the grid it times, interleaved, a
 block of TokenWeave layers with the tokens not split (several CTA counts) and split (several CTA
 counts per phase), and the same with the stock collectives instead of the fused kernel, and
 keeps the fastest (the unsplit fused plan unless another wins by more than --min-gain). One
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from megatron_tokenweave.launch import spawn
-from megatron_tokenweave.models import SHAPES, Shape, llama_config
+from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, Shape, llama_config
 from megatron_tokenweave.policy import CACHE_DIR, TableKey
 
 NEVER = 1 << 40
@@ -117,16 +118,19 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
     base = TokenWeaveConfig(max_tokens=max(args.tokens), tuning_table="none")
     rope = RotaryEmbedding(kv_channels=shape.hidden // shape.heads, rotary_percent=1.0)
     plans = candidates()
-    # Megatron's MoE dispatchers read token counts on the host: MoE runs eager only.
-    modes = ["eager"] if shape.experts else args.modes
-    if shape.experts and "graph" in args.modes and rank == 0:
-        print("MoE shape: Megatron's dispatcher syncs with the host, tuning eager forwards only")
+    # The all-gather MoE dispatcher reads token counts on the host: eager only. The padded one
+    # is capturable: graph tables only (its eager table would take the all-gather one's name).
+    modes = args.modes
+    if shape.experts:
+        modes = ["eager"] if args.moe_dispatch == "allgather" else ["graph"]
+        if rank == 0 and modes != args.modes:
+            print(f"MoE shape, {args.moe_dispatch} dispatch: tuning {modes[0]} forwards only")
     total = len(args.layouts) * len(modes) * len(args.tokens) * len(plans)
     done, start, tables = 0, time.time(), []
     for layout in args.layouts:
         sp = layout == "sp"
         cfg = llama_config(shape, args.layers, world, sequence_parallel=sp, bf16=True,
-                           params_dtype=dtype)
+                           params_dtype=dtype, moe_dispatch=args.moe_dispatch)
         spec = get_gpt_decoder_block_tokenweave_spec(cfg, use_te, base, **shape.spec_kwargs())
         block = TransformerBlock(cfg, spec if use_te else with_sdpa(spec)).cuda().to(dtype).eval()
         for mode in modes:
@@ -161,7 +165,8 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                               bool(shape.experts), mode == "graph")
             tables.append({**dataclasses.asdict(key),
                            "entries": table_entries(measured, args.min_gain),
-                           "measured_us": measured, "layers": args.layers})
+                           "measured_us": measured, "layers": args.layers,
+                           **({"moe_dispatch": args.moe_dispatch} if shape.experts else {})})
         del block
         torch.cuda.empty_cache()
     return tables
@@ -184,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", choices=["graph", "eager"],
                         default=["graph", "eager"],
                         help="time CUDA-graph replays and/or eager forwards (each its own table; "
-                             "MoE shapes: eager only)")
+                             "MoE shapes: as --moe-dispatch allows)")
+    parser.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="allgather",
+                        help="MoE shapes: allgather (eager tables) or padded (graph tables)")
     parser.add_argument("--iters", type=int, default=10, help="timings per candidate (eager: 3x)")
     parser.add_argument("--min-gain", type=float, default=0.01,
                         help="a split or collectives plan must beat the best unsplit fused plan "

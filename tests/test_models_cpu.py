@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from _dist import (
     build_model,
@@ -15,7 +17,7 @@ from _dist import (
 )
 
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.models import SHAPES
+from megatron_tokenweave.models import MOE_DISPATCH, SHAPES
 
 SPLIT = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
 LAYERS = 2
@@ -78,23 +80,28 @@ def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
                 dist.broadcast(param, src=0)
 
 
+MOE_SHAPE = dataclasses.replace(SHAPES["tiny"], experts=4, topk=2, ffn=96)
+
+
 def _moe(rank: int, world: int) -> list[tuple]:
     setup_tp(world)
-    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
-               moe_token_dispatcher_type="allgather")  # alltoall builds CUDA streams: GPU only
-    tokens = torch.randint(0, SHAPES["tiny"].vocab, (2, 18),
-                           generator=torch.Generator().manual_seed(6))
+    tokens = torch.randint(0, MOE_SHAPE.vocab, (2, 18), generator=torch.Generator().manual_seed(6))
     return [
-        ("allgather", sp, *_compare(SHAPES["tiny"], world, sp, tokens, _same_router_on_every_rank_,
-                                    spec_kwargs={"num_experts": 4}, **moe))
+        (dispatch, sp, *_compare(MOE_SHAPE, world, sp, tokens, _same_router_on_every_rank_,
+                                 spec_kwargs={"num_experts": 4}, moe_dispatch=dispatch))
+        for dispatch in MOE_DISPATCH
         for sp in (False, True)
     ]
 
 
-def test_moe_allgather_is_woven():
-    """Mixtral-style MoE with the all-gather dispatcher: the expert output's reduction is the fused
-    op (two per layer per half) and the logits match the stock spec."""
-    for dispatcher, sp, err, calls in run_ranks(_moe)[0]:
+def test_moe_dispatchers_are_woven():
+    """Mixtral-style MoE with the all-gather dispatcher (dropless) and the all-to-all dispatcher
+    padded to a capacity that drops nothing (the CUDA-graph capturable one): the expert output's
+    reduction is the fused op (two per layer per half) and the logits match the stock spec
+    (whose dispatcher does its own TP all-gather / reduce-scatter)."""
+    results = run_ranks(_moe)[0]
+    assert {r[0] for r in results} == set(MOE_DISPATCH)
+    for dispatcher, sp, err, calls in results:
         case = f"dispatcher={dispatcher} sp={sp}"
         assert err <= 1e-5, f"{case}: rel error {err}"
         assert calls == 2 * 2 * LAYERS, f"{case}: fused op ran {calls} times"
@@ -103,22 +110,36 @@ def test_moe_allgather_is_woven():
 def test_moe_policy_names_what_it_cannot_weave():
     from types import SimpleNamespace
 
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAllGatherTokenDispatcher,
+        MoEAlltoAllTokenDispatcher,
+    )
 
     from megatron_tokenweave import moe
 
     config = SimpleNamespace(moe_expert_capacity_factor=None, moe_latent_size=None,
-                             expert_tensor_parallel_size=None, tensor_model_parallel_size=2)
+                             moe_pad_expert_input_to_capacity=False, num_moe_experts=8,
+                             moe_router_topk=2, expert_tensor_parallel_size=None,
+                             tensor_model_parallel_size=2)
 
     def layer(dispatcher, **changes):
         return SimpleNamespace(config=SimpleNamespace(**{**vars(config), **changes}),
                                token_dispatcher=dispatcher, use_shared_expert=False)
 
     allgather = object.__new__(MoEAllGatherTokenDispatcher)
-    allgather.ep_size = 1
+    alltoall = object.__new__(MoEAlltoAllTokenDispatcher)
+    allgather.ep_size = alltoall.ep_size = 1
+    padded = dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=4.0)
     assert moe.unsupported_reason(layer(allgather)) is None
+    assert moe.unsupported_reason(layer(alltoall, **padded)) is None
+    # capacity >= every token an expert can get (factor >= experts / top-k): nothing dropped
+    assert moe.unsupported_reason(layer(allgather, moe_expert_capacity_factor=4.0)) is None
     assert "dispatcher" in moe.unsupported_reason(layer(SimpleNamespace(ep_size=1)))
-    assert "capacity" in moe.unsupported_reason(layer(allgather, moe_expert_capacity_factor=1.0))
+    assert "drop-and-pad" in moe.unsupported_reason(layer(alltoall))
+    for dispatcher in (allgather, alltoall):
+        reason = moe.unsupported_reason(layer(dispatcher, **{**padded,
+                                                             "moe_expert_capacity_factor": 3.9}))
+        assert "drops tokens" in reason and ">= experts / top-k = 4" in reason
     assert "expert tensor" in moe.unsupported_reason(layer(allgather,
                                                            expert_tensor_parallel_size=1))
     allgather.ep_size = 2

@@ -196,3 +196,18 @@ def test_tuner_entries_start_unsplit_below_the_smallest_measured_count():
     assert entries[0] == {"min_tokens": 0, "split": False, "comm_ctas_alone": 64}
     assert entries[1]["split"] and entries[2]["split"]
     assert table_entries({}, 0.01) == []
+
+
+def test_policy_says_whether_a_plan_can_take_the_copy_engine_path(tmp_path):
+    """The layer allocates the copy-engine mirror at its first eager forward when the CUDA-graph
+    policy could pick that path (a capture cannot allocate it): from the config or any entry."""
+    assert not SplitPolicy(TokenWeaveConfig(tuning_table="none"), KEY).may_copy_engine
+    assert SplitPolicy(TokenWeaveConfig(comm="copy_engine", tuning_table="none"),
+                       KEY).may_copy_engine
+    fused = _write(tmp_path, name="fused.json")
+    assert not SplitPolicy(TokenWeaveConfig(tuning_table=fused), KEY).may_copy_engine
+    ce = _write(tmp_path, name="ce.json", entries=[
+        {"min_tokens": 0, "split": False},
+        {"min_tokens": 4096, "split": False, "comm_ctas_alone": 128, "comm": "copy_engine"}])
+    policy = SplitPolicy(TokenWeaveConfig(tuning_table=ce), KEY)
+    assert policy.may_copy_engine and policy.plan(100).comm == "fused"

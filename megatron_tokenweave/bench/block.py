@@ -14,8 +14,10 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
   tokenweave_ce / tokenweave_sp_ce  either layout on the kernel's copy-engine data path
                   (config defaults: split from 1K tokens, 16 CTAs per phase; no table)
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
-`eager` times plain Python forwards (launch overhead included). MoE shapes always run eager:
-Megatron's token dispatchers copy token counts to the host, which a graph cannot capture.
+`eager` times plain Python forwards (launch overhead included). MoE shapes dispatch as
+`--moe-dispatch` says (models.MOE_DISPATCH): `allgather` (dropless; it copies token counts to the
+host, which a graph cannot capture: eager only) or `padded` (all-to-all, every expert padded to a
+capacity that drops nothing: capturable, experts / top-k x the expert FLOPs); the rows say which.
 Without TE every spec gets the same SDPA (flash) core attention (bench/sdpa.py) instead of
 Megatron's unfused local attention.
 """
@@ -26,44 +28,13 @@ import argparse
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
 
 import torch
 
+from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
-from megatron_tokenweave.models import SHAPES, llama_config, stock_layer_spec
-
-
-@contextlib.contextmanager
-def _no_tp_comm() -> Iterator[None]:
-    """Make the stock row-parallel linears skip their all-reduce / reduce-scatter."""
-    from megatron.core.tensor_parallel import layers
-
-    names = (
-        "reduce_from_tensor_model_parallel_region",
-        "reduce_scatter_to_sequence_parallel_region",
-    )
-    saved = {name: getattr(layers, name) for name in names}
-    for name in names:
-        setattr(layers, name, lambda x, *a, **k: x)
-    patched = []
-    try:
-        import transformer_engine.pytorch.module.linear as te_linear
-
-        saved_te = te_linear.allreduce
-        te_linear.allreduce = lambda x, *a, **k: (x, None)
-        patched.append((te_linear, "allreduce", saved_te))
-    except (ImportError, AttributeError):
-        pass
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(layers, name, fn)
-        for module, name, fn in patched:
-            setattr(module, name, fn)
-
+from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
 
 # name: (sequence parallel, TokenWeaveConfig overrides)
 VARIANTS = {
@@ -107,10 +78,11 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     for model in args.models:
         shape = SHAPES[model]
         extra = shape.spec_kwargs()
-        # Megatron's MoE dispatchers read token counts on the host: no CUDA-graph capture.
-        modes = ["eager"] if shape.experts else args.modes
+        # The all-gather MoE dispatcher reads token counts on the host: no CUDA-graph capture.
+        dispatch = args.moe_dispatch if shape.experts else None
+        modes = ["eager"] if dispatch == "allgather" else args.modes
         stock_spec = stock_layer_spec(shape, use_te)
-        common = dict(bf16=True, params_dtype=torch.bfloat16)
+        common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=args.moe_dispatch)
         cfg = llama_config(shape, args.layers, world, **common)
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
         attn = (lambda spec: spec) if use_te else with_sdpa
@@ -142,7 +114,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
                 def eager(block, xs, nocomm=False, rpe=rpe):
                     def fn(i):
-                        with _no_tp_comm() if nocomm else contextlib.nullcontext():
+                        with no_tp_comm() if nocomm else contextlib.nullcontext():
                             return block(hidden_states=xs[i % len(xs)], attention_mask=None,
                                          rotary_pos_emb=rpe)
                     return fn
@@ -165,7 +137,9 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                         med.update({(k, "graph"): v for k, v in res.items()})
                         del cands
                 new = [dict(model=model, impl=impl, mode=mode, tokens=tokens, batch=batch,
-                            tp=world, us=round(us, 1)) for (impl, mode), us in med.items()]
+                            tp=world, us=round(us, 1), **({"moe_dispatch": dispatch} if dispatch
+                                                          else {}))
+                       for (impl, mode), us in med.items()]
                 rows += new
                 if rank == 0:  # kept as measured, should a later case fail
                     with open(args.out + ".rows.jsonl", "a") as f:
@@ -223,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="TokenWeave variants to time beside the stock spec and its ceiling")
     parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
+    parser.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="allgather",
+                        help="MoE shapes: allgather (dropless, eager only) or padded (all-to-all "
+                             "padded to a capacity that drops nothing: CUDA graphs too)")
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"],
                         choices=["graph", "eager"],
                         help="graph: CUDA-graph replays (GPU time); eager: Python launches too")

@@ -7,7 +7,9 @@ the shape's real vocabulary, bf16) with Megatron's TE spec (`te`; the local spec
 TE does not import) and the same weights with the TokenWeave spec (`tokenweave`), then measures,
 interleaving the two models:
   prefill_ms    static engine, batch 1, a prompt of N tokens, one output token: wall time of
-                `engine.generate` (median of --reps)
+                `engine.generate` (median of --reps); also for `<stock>_nocomm`, the stock model
+                with its tensor-parallel all-reduces made no-ops (bench/nocomm.py): the ceiling
+                of any communication overlap
   tokens_per_s  --prompts prompts of mixed lengths (--mixed-min..--mixed-max tokens, log-uniform)
                 with --output-tokens greedy tokens each: (prompt + generated tokens) / wall time.
                 Through the dynamic engine (MegatronLLM, chunked prefill of --chunk tokens) where
@@ -19,6 +21,7 @@ interleaving the two models:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -26,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES
@@ -57,20 +61,27 @@ def _workload(args: argparse.Namespace, buckets: bool) -> list[str]:
     return [_text(int(round(2 ** float(e))), gen) for e in exps]
 
 
-def _prefill_rows(models: dict, tokenizer, args: argparse.Namespace, say) -> list[dict]:
-    """Prefill latency: static engine, batch 1, one output token (its engines die with it)."""
+def _prefill_rows(models: dict, stock: str, tokenizer, args: argparse.Namespace,
+                  say) -> list[dict]:
+    """Prefill latency: static engine, batch 1, one output token (its engines die with it), for
+    each model and for the stock model without communication (one output token: every rank
+    stops after it, whatever its unreduced logits chose)."""
     from megatron_tokenweave.serving.engines import greedy, static_engine
 
     rows = []
     gen = torch.Generator().manual_seed(3)
+    runs = {name: (model, contextlib.nullcontext) for name, model in models.items()}
+    runs[f"{stock}_nocomm"] = (models[stock], no_tp_comm)
     for tokens in args.prefill_tokens:
         prompt = _text(tokens, gen)
-        engines = {name: static_engine(m, tokenizer, 1, tokens + 2) for name, m in models.items()}
+        engines = {name: (static_engine(m, tokenizer, 1, tokens + 2), ctx)
+                   for name, (m, ctx) in runs.items()}
         samples: dict[str, list[float]] = {name: [] for name in engines}
         for rep in range(args.reps + 2):
-            for name, engine in engines.items():
-                seconds = _wall(lambda e=engine, p=prompt: e.generate(
-                    prompts=[p], sampling_params=greedy(1)))
+            for name, (engine, ctx) in engines.items():
+                with ctx():
+                    seconds = _wall(lambda e=engine, p=prompt: e.generate(
+                        prompts=[p], sampling_params=greedy(1)))
                 if rep >= 2:  # two warm-up rounds
                     samples[name].append(seconds)
         for name, values in samples.items():
@@ -84,14 +95,7 @@ def _prefill_rows(models: dict, tokenizer, args: argparse.Namespace, say) -> lis
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.launch import initialize_model_parallel
-    from megatron_tokenweave.models import clear_attention_backend_env, stock_and_tokenweave
-    from megatron_tokenweave.serving.engines import (
-        dynamic_config_overrides,
-        dynamic_engine_problem,
-        dynamic_llm,
-        greedy,
-        static_engine,
-    )
+    from megatron_tokenweave.models import stock_and_tokenweave
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
     from megatron_tokenweave.spec import te_available
 
@@ -102,21 +106,42 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     max_seq = max(max(args.prefill_tokens), args.mixed_max + args.output_tokens) + 8
     tw_config = TokenWeaveConfig(max_tokens=max(
         max(args.prefill_tokens), args.max_batch * args.mixed_max, args.chunk))
-    stock, woven = stock_and_tokenweave(shape, args.layers, world, tw_config, te, max_seq)
-    models = {stock_name: stock, "tokenweave": woven}
+    models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(
+        shape, args.layers, world, tw_config, te, max_seq), strict=True))
     tokenizer = ByteTokenizer(shape.vocab)
     rows: list[dict] = []
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    rows += _prefill_rows(models, tokenizer, args, say)
+    if "prefill" in args.metrics:
+        rows += _prefill_rows(models, stock_name, tokenizer, args, say)
+    if "throughput" in args.metrics:
+        rows += _throughput_rows(models, stock_name, shape, tokenizer, tw_config, te, max_seq,
+                                 args, say)
+    for row in rows:
+        row.update(model=args.model, layers=args.layers, tp=world)
+    return rows
 
-    # Throughput: mixed prompt lengths.
+
+def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config, te: bool,
+                     max_seq: int, args: argparse.Namespace, say) -> list[dict]:
+    """Throughput: the mixed prompts through the dynamic engine (else the static one)."""
+    from megatron_tokenweave.models import clear_attention_backend_env, stock_and_tokenweave
+    from megatron_tokenweave.serving.engines import (
+        dynamic_config_overrides,
+        dynamic_engine_problem,
+        dynamic_llm,
+        greedy,
+        static_engine,
+    )
+
+    world = torch.distributed.get_world_size()
+    rows: list[dict] = []
     use_dynamic = args.engine == "dynamic" or (
         args.engine == "auto" and dynamic_engine_problem() is None)
     scope = args.cuda_graph_scope if args.cuda_graphs else None
     if use_dynamic and (overrides := dynamic_config_overrides(scope)):
         # The dynamic engine's attention needs other config fields: a pair of its own.
-        del stock, woven, models
+        models.clear()
         torch.cuda.empty_cache()
         clear_attention_backend_env()
         models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(
@@ -168,8 +193,6 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                          generated_tokens=generated[name]))
     say("throughput: " + "  ".join(f"{n}={statistics.median(v):.0f} tok/s"
                                    for n, v in samples.items()), flush=True)
-    for row in rows:
-        row.update(model=args.model, layers=args.layers, tp=world)
     return rows
 
 
@@ -180,21 +203,29 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    stock = next(r["impl"] for r in rows if r["impl"] != "tokenweave")
+    stock = next(r["impl"] for r in rows if r["impl"] in ("te", "local"))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     pre = {(r["impl"], r["prompt_tokens"]): r["value"] for r in rows
            if r["metric"] == "prefill_ms"}
     lengths = sorted({t for _, t in pre})
-    axes[0].bar([str(t) for t in lengths],
-                [pre[(stock, t)] / pre[("tokenweave", t)] for t in lengths])
-    axes[0].set_title(f"prefill latency, batch 1: {stock} / tokenweave")
+    impls = [i for i in ("tokenweave", f"{stock}_nocomm") if any(k[0] == i for k in pre)]
+    width = 0.8 / max(len(impls), 1)
+    for k, impl in enumerate(impls):
+        axes[0].bar([x + k * width for x in range(len(lengths))],
+                    [pre[(stock, t)] / pre[(impl, t)] for t in lengths], width, label=impl)
+    axes[0].set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(lengths))],
+                       [str(t) for t in lengths])
+    axes[0].set_title(f"prefill latency, batch 1: speed-up over {stock}")
     axes[0].set_xlabel("prompt tokens")
-    tput = {r["impl"]: r for r in rows if r["metric"] == "tokens_per_s"}
-    axes[1].bar(list(tput), [tput[i]["value"] for i in tput])
-    first = next(iter(tput.values()))
-    axes[1].set_title(f"throughput, {first['prompts']} mixed prompts ({first['engine']} engine)")
-    axes[1].set_ylabel("tokens / s")
     axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].legend()
+    tput = {r["impl"]: r for r in rows if r["metric"] == "tokens_per_s"}
+    if tput:
+        axes[1].bar(list(tput), [tput[i]["value"] for i in tput])
+        first = next(iter(tput.values()))
+        axes[1].set_title(f"throughput, {first['prompts']} mixed prompts "
+                          f"({first['engine']} engine)")
+        axes[1].set_ylabel("tokens / s")
     fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -220,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="dynamic engine: up to this many inference CUDA graphs (0: eager)")
     parser.add_argument("--cuda-graph-scope", choices=["layer", "block"], default="layer")
     parser.add_argument("--local", action="store_true", help="local specs even with TE")
+    parser.add_argument("--metrics", nargs="+", choices=["prefill", "throughput"],
+                        default=["prefill", "throughput"])
     parser.add_argument("--out", default="docs/results/e2e_tp2.json")
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < args.tp:
