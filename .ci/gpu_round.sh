@@ -97,7 +97,7 @@ case "$phase" in
     ;;
   e2e_graphs)
     TAIL=12 step e2e_graphs 330 python -m megatron_tokenweave.bench e2e --engine dynamic \
-      --cuda-graphs 16 --reps 3 --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
+      --cuda-graphs 16 --metrics throughput --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
     ;;
   moe_tests)
     TAIL=10 step moe_tests 420 python -m pytest -v -s tests/gpu/test_layer_gpu.py \
@@ -110,7 +110,7 @@ case "$phase" in
     ;;
   moe_bench)
     TAIL=14 step block_moe_graph 330 python -m megatron_tokenweave.bench block --modes graph \
-      --iters 15 --models mixtral-8x7b --moe-dispatch padded --batch 1 --variants tokenweave \
+      --iters 15 --models mixtral-8x7b --moe-dispatch padded --batch 1 --stock-sp --variants tokenweave \
       tokenweave_sp tokenweave_sp_split tokenweave_sp_nosplit --out "$out/block_moe_graph_tp2.json"
     ;;
   prefill)

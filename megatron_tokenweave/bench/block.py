@@ -6,7 +6,11 @@ Per model shape, one 2-rank NCCL run builds a block of `--layers` layers for eac
 with the same weights and times them interleaved (CUDA events, medians). `tokens` is the total
 token count of one forward (batch sequences of tokens/batch each). Implementations:
   <stock>         Megatron's TE spec (`te`) when TE imports, else its local spec (`local`)
-  <stock>_nocomm  the same with the row-parallel all-reduce made a no-op (the ceiling)
+  <stock>_nocomm  the same with the row-parallel all-reduce made a no-op (the ceiling; MoE
+                  shapes keep their dispatcher's collectives: bench/nocomm.py)
+  <stock>_sp      with --stock-sp: the stock spec with sequence parallelism (for MoE shapes the
+                  stock layout to compare with: without it, Megatron's MoE dispatchers gather
+                  every TP rank's copy of the same tokens and the experts compute them twice)
   tokenweave      the TokenWeave spec (replicated layout, like the stock spec), default config
                   (split, mechanism and CTAs per token count from the tuned table)
   tokenweave_sp   the TokenWeave spec with sequence parallelism (TokenWeave's own layout)
@@ -87,6 +91,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
         attn = (lambda spec: spec) if use_te else with_sdpa
         blocks = {stock_name: TransformerBlock(cfg, attn(stock_spec))}
+        if args.stock_sp:
+            blocks[f"{stock_name}_sp"] = TransformerBlock(cfg_sp, attn(stock_spec))
         variants = {name: VARIANTS[name] for name in args.variants}
         for name, (sp, overrides) in variants.items():
             block_cfg = cfg_sp if sp else cfg
@@ -122,6 +128,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 builders = {
                     stock_name: (blocks[stock_name], inputs, False),
                     f"{stock_name}_nocomm": (blocks[stock_name], inputs, True),
+                    **({f"{stock_name}_sp": (blocks[f"{stock_name}_sp"], inputs_sp, False)}
+                       if args.stock_sp else {}),
                     **{name: (blocks[name], inputs_sp if sp else inputs, False)
                        for name, (sp, _) in variants.items()},
                 }
@@ -197,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="TokenWeave variants to time beside the stock spec and its ceiling")
     parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
+    parser.add_argument("--stock-sp", action="store_true",
+                        help="also time the stock spec with sequence parallelism (<stock>_sp)")
     parser.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="allgather",
                         help="MoE shapes: allgather (dropless, eager only) or padded (all-to-all "
                              "padded to a capacity that drops nothing: CUDA graphs too)")

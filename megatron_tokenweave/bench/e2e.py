@@ -204,31 +204,41 @@ def _plot(result: dict, path: str) -> None:
 
     rows = result["rows"]
     stock = next(r["impl"] for r in rows if r["impl"] in ("te", "local"))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     pre = {(r["impl"], r["prompt_tokens"]): r["value"] for r in rows
            if r["metric"] == "prefill_ms"}
+    tput = {r["impl"]: r for r in rows if r["metric"] == "tokens_per_s"}
+    panels = int(bool(pre)) + int(bool(tput))
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    axes = list(axes[0])
+    if pre:
+        _plot_prefill(axes.pop(0), pre, stock)
+    if tput:
+        ax = axes.pop(0)
+        ax.bar(list(tput), [tput[i]["value"] for i in tput])
+        first = next(iter(tput.values()))
+        graphs = f", {first['cuda_graphs']} CUDA graphs" if first.get("cuda_graphs") else ""
+        ax.set_title(f"throughput, {first['prompts']} mixed prompts "
+                     f"({first['engine']} engine{graphs})")
+        ax.set_ylabel("tokens / s")
+    fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _plot_prefill(ax, pre: dict, stock: str) -> None:
+    """Bars of stock / impl prefill latency per prompt length (tokenweave, the ceiling)."""
     lengths = sorted({t for _, t in pre})
     impls = [i for i in ("tokenweave", f"{stock}_nocomm") if any(k[0] == i for k in pre)]
     width = 0.8 / max(len(impls), 1)
     for k, impl in enumerate(impls):
-        axes[0].bar([x + k * width for x in range(len(lengths))],
-                    [pre[(stock, t)] / pre[(impl, t)] for t in lengths], width, label=impl)
-    axes[0].set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(lengths))],
-                       [str(t) for t in lengths])
-    axes[0].set_title(f"prefill latency, batch 1: speed-up over {stock}")
-    axes[0].set_xlabel("prompt tokens")
-    axes[0].axhline(1.0, color="gray", lw=0.8)
-    axes[0].legend()
-    tput = {r["impl"]: r for r in rows if r["metric"] == "tokens_per_s"}
-    if tput:
-        axes[1].bar(list(tput), [tput[i]["value"] for i in tput])
-        first = next(iter(tput.values()))
-        axes[1].set_title(f"throughput, {first['prompts']} mixed prompts "
-                          f"({first['engine']} engine)")
-        axes[1].set_ylabel("tokens / s")
-    fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        ax.bar([x + k * width for x in range(len(lengths))],
+               [pre[(stock, t)] / pre[(impl, t)] for t in lengths], width, label=impl)
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(lengths))],
+                  [str(t) for t in lengths])
+    ax.set_title(f"prefill latency, batch 1: speed-up over {stock}")
+    ax.set_xlabel("prompt tokens")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.legend(loc="lower right")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,8 @@
 """The stock model without its tensor-parallel communication: the ceiling every overlap is
 measured against ("the same model with communication removed"). Timing only: the outputs are
-wrong (each rank keeps its own partial sums)."""
+wrong (each rank keeps its own partial sums). MoE layers keep their token dispatcher's own TP
+all-gather / reduce-scatter (they change tensor shapes: made no-ops, the layer would break), so
+for MoE shapes this is a ceiling of the attention's communication only."""
 
 from __future__ import annotations
 
