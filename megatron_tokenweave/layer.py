@@ -168,6 +168,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp), capturing)
         plan = get_policy(cfg, key).plan(chunks * n)
         halves = plan_halves(n, chunks, cfg, plan.split)
+        if moe.is_moe(self.mlp):  # before anything is launched
+            moe.check_capacity(self.mlp, [chunks * h.rows for h in halves])
         side = self._chain.side_stream(x.device)
         split = len(halves) > 1
 
@@ -189,7 +191,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
         validate = not self._validated
         self._validated = True
-        if validate and not capturing and ws.backend == "kernel":
+        capturable = not moe.is_moe(self.mlp) or moe.padded(self.mlp)
+        if validate and not capturing and capturable and ws.backend == "kernel":
             # Megatron warms up eagerly, then captures with the CUDA-graph table: if that table
             # can pick the copy-engine path, its mirror must exist before the capture.
             captured = dataclasses.replace(key, cuda_graphs=True)

@@ -2,8 +2,8 @@
 
 Two of Megatron's dispatchers (expert parallelism 1, expert TP = TP):
 - all-gather, dropless: the reference MoE; it copies token counts to the host (eager only);
-- all-to-all in drop-and-pad mode with a capacity that holds every token (capacity factor
-  >= experts / top-k): every expert computes a fixed [capacity, H] block, no host sync, so a CUDA
+- all-to-all in drop-and-pad mode with a capacity of exactly the tokens (capacity factor
+  experts / top-k): every expert computes a fixed [tokens, H] block, no host sync, so a CUDA
   graph can capture it; the padded rows cost experts / top-k x the routed FLOPs.
 Token dropping (a smaller capacity) is refused: which tokens an expert drops depends on the batch
 it sees, and the split hands it half a batch, so outputs would differ from the stock layer's.
@@ -24,21 +24,25 @@ from collections.abc import Iterator
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
+
+from megatron_tokenweave.ops.validate import TokenWeaveInputError
 
 
 def is_moe(mlp: torch.nn.Module) -> bool:
     return isinstance(mlp, MoELayer)
 
 
-def drops_no_token(config) -> bool:
-    """No expert capacity (dropless), or one that holds every token: capacity = ceil(tokens x
-    top-k / experts x factor) >= tokens, the most tokens one expert can be routed."""
-    factor = config.moe_expert_capacity_factor
-    return factor is None or factor * config.moe_router_topk >= config.num_moe_experts
+def padded(layer: MoELayer) -> bool:
+    """The all-to-all dispatcher in drop-and-pad mode (what the dispatcher itself was built
+    with): fixed shapes, no host sync, so the layer can be captured in a CUDA graph."""
+    dispatcher = layer.token_dispatcher
+    return type(dispatcher) is MoEAlltoAllTokenDispatcher and bool(
+        getattr(dispatcher, "drop_and_pad", False))
 
 
 def unsupported_reason(layer: MoELayer) -> str | None:
@@ -46,7 +50,7 @@ def unsupported_reason(layer: MoELayer) -> str | None:
     config = layer.config
     dispatcher = layer.token_dispatcher
     kind = type(dispatcher)
-    if kind is MoEAlltoAllTokenDispatcher and not config.moe_pad_expert_input_to_capacity:
+    if kind is MoEAlltoAllTokenDispatcher and not padded(layer):
         return ("MoE all-to-all dispatcher without moe_pad_expert_input_to_capacity (woven: "
                 "all-gather, or all-to-all in drop-and-pad mode)")
     if kind not in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher):
@@ -55,9 +59,9 @@ def unsupported_reason(layer: MoELayer) -> str | None:
         return "MoE with expert parallelism"
     if getattr(layer, "use_shared_expert", False):
         return "MoE with shared experts"
-    if not drops_no_token(config):
-        return (f"MoE capacity factor {config.moe_expert_capacity_factor} drops tokens (woven: "
-                f"none, or >= experts / top-k = "
+    factor = config.moe_expert_capacity_factor
+    if factor is not None and factor * config.moe_router_topk < config.num_moe_experts:
+        return (f"MoE capacity factor {factor} drops tokens (woven: none, or experts / top-k = "
                 f"{config.num_moe_experts / config.moe_router_topk:g}, which drops none)")
     if getattr(config, "moe_latent_size", None):
         return "latent MoE"
@@ -65,6 +69,27 @@ def unsupported_reason(layer: MoELayer) -> str | None:
     if etp not in (None, config.tensor_model_parallel_size):
         return "expert tensor parallelism different from tensor parallelism"
     return None
+
+
+def check_capacity(layer: MoELayer, token_counts: list[int]) -> None:
+    """Raise unless every call of the MoE layer on `token_counts` tokens keeps every token:
+    Megatron's capacity (its own get_capacity, as its router and dispatcher compute it) must be
+    at least the tokens, and with the padded dispatcher exactly the tokens (a larger one breaks
+    Megatron's padded permute, whose router can mark at most every token for an expert). A
+    factor of experts / top-k gives exactly the tokens when float arithmetic keeps it exact
+    (8 / 2 does; some quotients round up by one slot for some token counts)."""
+    config = layer.config
+    factor = config.moe_expert_capacity_factor
+    if factor is None:
+        return
+    for tokens in token_counts:
+        capacity = get_capacity(tokens * config.moe_router_topk, config.num_moe_experts, factor)
+        if capacity < tokens or (padded(layer) and capacity != tokens):
+            raise TokenWeaveInputError(
+                f"MoE capacity {capacity} (factor {factor}) for {tokens} tokens: the woven "
+                f"layer needs {'exactly' if padded(layer) else 'at least'} one slot per token "
+                f"and expert; use a capacity factor of experts / top-k that Megatron's "
+                f"get_capacity turns into exactly the token count")
 
 
 @contextlib.contextmanager

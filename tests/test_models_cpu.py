@@ -128,19 +128,59 @@ def test_moe_policy_names_what_it_cannot_weave():
 
     allgather = object.__new__(MoEAllGatherTokenDispatcher)
     alltoall = object.__new__(MoEAlltoAllTokenDispatcher)
-    allgather.ep_size = alltoall.ep_size = 1
+    unpadded = object.__new__(MoEAlltoAllTokenDispatcher)
+    allgather.ep_size = alltoall.ep_size = unpadded.ep_size = 1
+    alltoall.drop_and_pad, unpadded.drop_and_pad = True, False  # what the dispatcher was built as
     padded = dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=4.0)
     assert moe.unsupported_reason(layer(allgather)) is None
     assert moe.unsupported_reason(layer(alltoall, **padded)) is None
     # capacity >= every token an expert can get (factor >= experts / top-k): nothing dropped
     assert moe.unsupported_reason(layer(allgather, moe_expert_capacity_factor=4.0)) is None
     assert "dispatcher" in moe.unsupported_reason(layer(SimpleNamespace(ep_size=1)))
-    assert "drop-and-pad" in moe.unsupported_reason(layer(alltoall))
+    assert "drop-and-pad" in moe.unsupported_reason(layer(unpadded, **padded))
     for dispatcher in (allgather, alltoall):
         reason = moe.unsupported_reason(layer(dispatcher, **{**padded,
                                                              "moe_expert_capacity_factor": 3.9}))
-        assert "drops tokens" in reason and ">= experts / top-k = 4" in reason
+        assert "drops tokens" in reason and "experts / top-k = 4" in reason
     assert "expert tensor" in moe.unsupported_reason(layer(allgather,
                                                            expert_tensor_parallel_size=1))
     allgather.ep_size = 2
     assert "expert parallelism" in moe.unsupported_reason(layer(allgather))
+
+
+def test_moe_capacity_must_hold_every_token_of_every_call():
+    """Megatron's own capacity rule decides per call (each half of a split is a call): the padded
+    dispatcher needs exactly one slot per token, the all-gather one at least one; else a clear
+    error before anything is launched."""
+    from types import SimpleNamespace
+
+    import pytest
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAllGatherTokenDispatcher,
+        MoEAlltoAllTokenDispatcher,
+    )
+
+    from megatron_tokenweave import moe
+    from megatron_tokenweave.ops.validate import TokenWeaveInputError
+
+    alltoall = object.__new__(MoEAlltoAllTokenDispatcher)
+    alltoall.drop_and_pad = True
+    allgather = object.__new__(MoEAllGatherTokenDispatcher)
+
+    def layer(dispatcher, experts, topk, factor):
+        config = SimpleNamespace(num_moe_experts=experts, moe_router_topk=topk,
+                                 moe_expert_capacity_factor=factor)
+        return SimpleNamespace(config=config, token_dispatcher=dispatcher)
+
+    counts = [1, 7, 31, 512, 4097]
+    for dispatcher in (alltoall, allgather):
+        moe.check_capacity(layer(dispatcher, 8, 2, 4.0), counts)  # Mixtral: exact
+        moe.check_capacity(layer(dispatcher, 8, 2, None), counts)  # dropless
+    moe.check_capacity(layer(allgather, 8, 2, 4.5), counts)  # more slots than tokens: fine
+    with pytest.raises(TokenWeaveInputError, match="exactly one slot per token"):
+        moe.check_capacity(layer(alltoall, 8, 2, 4.5), [512])
+    # 60 experts, top-4, factor 15: float rounding gives 32 slots for 31 tokens
+    with pytest.raises(TokenWeaveInputError, match="capacity 32 .* for 31 tokens"):
+        moe.check_capacity(layer(alltoall, 60, 4, 15.0), [31])
+    with pytest.raises(TokenWeaveInputError, match="at least one slot"):
+        moe.check_capacity(layer(allgather, 8, 2, 2.0), [512])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -142,6 +143,7 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
     if use_dynamic and (overrides := dynamic_config_overrides(scope)):
         # The dynamic engine's attention needs other config fields: a pair of its own.
         models.clear()
+        gc.collect()  # the prefill engines' reference cycles may still hold the first pair
         torch.cuda.empty_cache()
         clear_attention_backend_env()
         models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(

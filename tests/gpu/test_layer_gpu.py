@@ -72,16 +72,17 @@ def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
                 dist.broadcast(param.data, src=0)
 
 
-def _count_fused_calls() -> list[int]:
-    """From now on in this rank, every fused-op call of a woven layer appends to the list (a
-    layer that fell back to the stock path appends nothing)."""
+def _count_fused_calls() -> list[str]:
+    """From now on in this rank, every fused-op call of a woven layer appends its mechanism
+    (`comm`, the layer's last positional argument) to the list (a layer that fell back to the
+    stock path appends nothing)."""
     import megatron_tokenweave.layer as layer_mod
 
-    calls: list[int] = []
+    calls: list[str] = []
     original = layer_mod.fused_allreduce_rmsnorm
 
     def counting(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("comm", args[-1]))
         return original(*args, **kwargs)
 
     layer_mod.fused_allreduce_rmsnorm = counting
@@ -254,13 +255,14 @@ def _graph(rank: int, world: int) -> tuple[list[float], list[int]]:
 
 def test_cuda_graph_replay_matches_eager():
     errors, woven = spawn(_graph, 2)[0]
-    assert min(woven) >= 3 * 2, f"a block fell back to the stock path (fused calls: {woven})"
+    # per case: 8 rows (below the threshold: 3 layers x 2 ops), 1024 rows (split: x 2 halves)
+    assert woven == [6, 12] * 2 * (len(COMMS) + 1), f"fused calls per forward: {woven}"
     # layouts x (dense: every mechanism, MoE: the fused kernel) x shapes x replays
     assert len(errors) == 2 * (len(COMMS) + 1) * 2 * 20
     assert max(errors) == 0.0, f"graph replay differs from eager: {max(errors)}"
 
 
-def _capture_after_warmup(rank: int, world: int, cache: str) -> float:
+def _capture_after_warmup(rank: int, world: int, cache: str) -> tuple[float, set, set]:
     """Megatron's order: eager warm-up (eager table: the SM-driven op), then a capture (graph
     table: the copy-engine path, whose mirror a capture cannot allocate). Replay vs eager."""
     import json
@@ -291,19 +293,25 @@ def _capture_after_warmup(rank: int, world: int, cache: str) -> float:
     rpe = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)(512)
     static = torch.randn(512, 1, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
+        calls = _count_fused_calls()
         block(hidden_states=static, attention_mask=None, rotary_pos_emb=rpe)  # eager warm-up
+        eager_comms = set(calls)
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        calls.clear()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             out = block(hidden_states=static, attention_mask=None, rotary_pos_emb=rpe)
+        captured_comms = set(calls)
         torch.cuda.current_stream().wait_stream(stream)
         static.copy_(torch.randn_like(static))
         out.fill_(float("nan"))
         graph.replay()
         eager = block(hidden_states=static, attention_mask=None, rotary_pos_emb=rpe)
-    return ((out.float() - eager.float()).norm() / eager.float().norm()).item()
+    error = ((out.float() - eager.float()).norm() / eager.float().norm()).item()
+    return error, eager_comms, captured_comms
 
 
 def test_capture_after_eager_warmup_with_a_copy_engine_graph_table(tmp_path):
-    errors = spawn(_capture_after_warmup, 2, str(tmp_path))
-    assert max(errors) <= 1e-2, errors  # two data paths, the same sums: bf16 rounding at most
+    for error, eager_comms, captured_comms in spawn(_capture_after_warmup, 2, str(tmp_path)):
+        assert (eager_comms, captured_comms) == ({"fused"}, {"copy_engine"})  # each mode's table
+        assert error <= 1e-2, error  # two data paths, the same sums: bf16 rounding at most
