@@ -218,9 +218,8 @@ def _plot(result: dict, path: str) -> None:
         ax = axes.pop(0)
         ax.bar(list(tput), [tput[i]["value"] for i in tput])
         first = next(iter(tput.values()))
-        graphs = f", {first['cuda_graphs']} CUDA graphs" if first.get("cuda_graphs") else ""
-        ax.set_title(f"throughput, {first['prompts']} mixed prompts "
-                     f"({first['engine']} engine{graphs})")
+        graphs = f", {first['cuda_graphs']} graphs" if first.get("cuda_graphs") else ""
+        ax.set_title(f"throughput, {first['prompts']} prompts\n({first['engine']} engine{graphs})")
         ax.set_ylabel("tokens / s")
     fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
     fig.tight_layout()
