@@ -191,8 +191,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
 
         validate = not self._validated
         self._validated = True
-        capturable = not moe.is_moe(self.mlp) or moe.padded(self.mlp)
-        if validate and not capturing and capturable and ws.backend == "kernel":
+        if validate and not capturing and ws.backend == "kernel" and self._capturable():
             # Megatron warms up eagerly, then captures with the CUDA-graph table: if that table
             # can pick the copy-engine path, its mirror must exist before the capture.
             captured = dataclasses.replace(key, cuda_graphs=True)
@@ -271,6 +270,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             mlp(x)
         finally:
             mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
+
+    def _capturable(self) -> bool:
+        """Whether a CUDA graph can capture this layer (not an MoE layer whose dispatcher
+        copies token counts to the host)."""
+        return not moe.is_moe(self.mlp) or moe.padded(self.mlp)
 
     def _layer_graphs(self) -> bool:
         """Megatron captures this layer in CUDA graphs of its own (it gave the layer a
