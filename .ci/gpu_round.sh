@@ -29,6 +29,10 @@
 #   tune_moe   graph tables for Mixtral with the padded (capturable) dispatch
 #   moe_bench  its block as CUDA graphs, the split placed by always / never variants
 #   prefill    e2e prefill latency only, with the stock model's no-communication ceiling
+#   ce_main    kernel tests (the copy-engine op in phases among them), then the 70B block with
+#          the split on the SM-driven path and on the copy-engine path (reductions on the main
+#          stream)
+#   tune_rep   tables for the 70B shapes, replicated layout only (what the engines run)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -116,6 +120,17 @@ case "$phase" in
   prefill)
     TAIL=10 step prefill 330 python -m megatron_tokenweave.bench e2e --metrics prefill --reps 5 \
       --out "$out/e2e_prefill_tp2.json"
+    ;;
+  ce_main)
+    TAIL=12 step kernel_tests 300 python -m pytest -v -s tests/gpu/test_kernel.py -k two_gpus
+    TAIL=30 step block_ce_main 300 python -m megatron_tokenweave.bench block --modes graph \
+      --iters 15 --models llama-3.3-70b --batch 1 \
+      --variants tokenweave tokenweave_split tokenweave_ce_split --out "$out/block_tp2_ce_main.json"
+    ;;
+  tune_rep)
+    TAIL=16 step tune70b_rep 470 python -m megatron_tokenweave.tune --model llama-3.3-70b \
+      --layouts replicated --budget-s 400
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
     ;;
   more)
     TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"

@@ -300,8 +300,15 @@ void fused_allreduce_rmsnorm_copy_engine(
     bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal, int64_t rank,
     int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns,
     const at::Tensor& sources, at::Tensor& mirror, at::IntArrayRef peer_data,
-    at::IntArrayRef mirrors, int64_t mirror_bytes) {
+    at::IntArrayRef mirrors, int64_t mirror_bytes, int64_t phase) {
   (void)signal;
+  const bool gather_normed = sequence_parallel && weight.has_value();
+  TORCH_CHECK(phase == kCeWhole || phase == kCeTransfer || phase == kCeReduce,
+              "tokenweave: copy-engine phase must be 0 (whole), 1 (transfer) or 2 (reduce), got ",
+              phase);
+  TORCH_CHECK(phase == kCeWhole || !gather_normed,
+              "tokenweave: the copy-engine op runs in two phases only when it gathers no normed "
+              "rows (replicated layout, or no norm)");
   const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
                                     sequence_parallel, bases, rank, world, local_base,
                                     buffer_bytes, ctas, timeout_ns);
@@ -337,10 +344,10 @@ void fused_allreduce_rmsnorm_copy_engine(
     TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaMemcpyAsync failed: ",
                 cudaGetErrorString(err));
   };
-  auto barrier = [&](int phase) {
-    if (phase == kCeStart)
+  auto barrier = [&](int which) {
+    if (which == kCeStart)
       copy_engine_barrier_kernel<kCeStart><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
-    else if (phase == kCeMid)
+    else if (which == kCeMid)
       copy_engine_barrier_kernel<kCeMid><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
     else
       copy_engine_barrier_kernel<kCeEnd><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
@@ -349,9 +356,15 @@ void fused_allreduce_rmsnorm_copy_engine(
                 cudaGetErrorString(err));
   };
 
-  barrier(kCeStart);
-  for (int64_t q = 0; q < world; ++q)
-    if (q != rank) copy(mirrors[q] + src_off, peer_data[q] + src_off);
+  if (phase != kCeReduce) {
+    barrier(kCeStart);
+    for (int64_t q = 0; q < world; ++q)
+      if (q != rank) copy(mirrors[q] + src_off, peer_data[q] + src_off);
+    if (phase == kCeTransfer) {  // every peer has pulled my rows: the rest is local
+      barrier(kCeEnd);
+      return;
+    }
+  }
   FusedParams local = p;
   local.bases = sources.data_ptr<int64_t>();
   local.copy_engine = 1;
@@ -359,14 +372,14 @@ void fused_allreduce_rmsnorm_copy_engine(
     launch_p2p<__nv_bfloat16>(local, ctas, stream);
   else
     launch_p2p<__half>(local, ctas, stream);
-  if (sequence_parallel && weight.has_value()) {  // pull every peer's normed chunk
+  if (gather_normed) {  // pull every peer's normed chunk
     barrier(kCeMid);
     for (int64_t q = 0; q < world; ++q) {
       const int64_t normed = p.normed_off + q * p.normed_cstride;
       if (q != rank) copy(local_base + normed, peer_data[q] + normed);
     }
   }
-  barrier(kCeEnd);
+  if (phase == kCeWhole) barrier(kCeEnd);
 }
 
 // UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.
@@ -409,7 +422,7 @@ TORCH_LIBRARY(tokenweave, m) {
       "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, "
       "Tensor bases, Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, "
       "int ctas, int timeout_ns, Tensor sources, Tensor(d!) mirror, int[] peer_data, "
-      "int[] mirrors, int mirror_bytes) -> ()");
+      "int[] mirrors, int mirror_bytes, int phase) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {

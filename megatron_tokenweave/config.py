@@ -38,8 +38,9 @@ class TokenWeaveConfig:
         activations' dtype, then add and norm: the stock mechanism, which NCCL runs faster than
         the kernel at large token counts on some machines; split or not like the kernel), or
         "copy_engine" (the kernel's copy-engine data path: peers' rows move by cudaMemcpyAsync,
-        the SMs only reduce and normalize local rows: less interference with the GEMM beside
-        it; the workspace then holds a local mirror of the peers' partial region).
+        the SMs only reduce and normalize local rows; split, only the transfer runs beside the
+        other half's GEMMs and the reduction waits for the rows' consumer on the main stream;
+        the workspace then holds a local mirror of the peers' partial region).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
     tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
         TP size, hidden size and dtype, from the cache or the shipped ones, overrides the split

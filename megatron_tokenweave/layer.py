@@ -11,7 +11,10 @@ sequence shard, or all rows without sequence parallelism):
     MLP(B)                               fused op(A): all-reduce + add + next layer's RMSNorm
                                          fused op(B) -> handed to the next layer
 
-Below the split threshold there is one half and the fused op runs on the main stream.
+Below the split threshold there is one half and the fused op runs on the main stream. On the
+copy-engine data path (where it gathers no normed rows) the side stream only moves the peers'
+rows (copy engines, no SMs beside the GEMM) and the reduction + norm runs on the main stream just
+before the rows are consumed (schedule.Pending).
 Where the fused path does not apply, the stock TransformerLayer.forward runs (logged once).
 """
 
@@ -32,11 +35,17 @@ from megatron_tokenweave.linears import Weave, WovenLinearMixin
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.norm import norm_weight_eps
 from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
-from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
+from megatron_tokenweave.ops.validate import (
+    KERNEL_DTYPES,
+    SUPPORTED_DTYPES,
+    VECTOR_ELEMS,
+    phases_apply,
+)
 from megatron_tokenweave.policy import TableKey, get_policy
 from megatron_tokenweave.schedule import (
     Half,
     Handoff,
+    Pending,
     WeaveChain,
     gemm_sm_carveout,
     plan_halves,
@@ -184,10 +193,10 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         out = torch.empty_like(x)
         residual = out.view(n, hidden)
 
-        input_events = self._input_events(handoff, halves)
-        if input_events is None:
+        inputs = self._inputs(handoff, halves)
+        if inputs is None:
             self._input_norm(x, normed, sp)
-            input_events = (None,) * len(halves)
+            inputs = tuple(Pending() for _ in halves)
 
         validate = not self._validated
         self._validated = True
@@ -198,8 +207,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             if get_policy(cfg, captured).may_copy_engine:
                 ws.copy_engine_mirror()
 
-        def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, events: list) -> None:
-            """Half i's fused op: main stream when unsplit, else the side stream (+ an event)."""
+        def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, ops: list) -> None:
+            """Half i's fused op: on the main stream when unsplit, else on the side stream; the
+            copy-engine op there only moves the rows, its reduction waits for the consumer."""
             half = halves[i]
             rows = slice(half.offset, half.offset + half.rows)
             weight, eps = norm if norm is not None else (None, 0.0)
@@ -207,27 +217,33 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             args = (ws, partials[i], src[rows], weight, eps, residual[rows], normed_out, layout)
             if not split:
                 fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone, validate, plan.comm)
-                events.append(None)
+                ops.append(Pending())
+                return
+            if plan.comm == "copy_engine" and phases_apply(layout, weight):
+                with side.run():
+                    fused_allreduce_rmsnorm(*args, ctas, validate, plan.comm, "transfer")
+                ops.append(Pending(side.record(), lambda: fused_allreduce_rmsnorm(
+                    *args, ctas, validate, plan.comm, "reduce")))
                 return
             with side.run():
                 fused_allreduce_rmsnorm(*args, ctas, validate, plan.comm)
-            events.append(side.record())
+            ops.append(Pending(side.record()))
 
         # The split GEMMs may leave SMs to the kernel beside them (plan.gemm_sm_carveout).
         with gemm_sm_carveout(plan.gemm_sm_carveout if split else 0):
             # Attention: qkv per half as its input arrives, attention whole, proj per half.
-            attn_events: list = []
+            attn_ops: list[Pending] = []
             pre_mlp = _in_dtype(norm_weight_eps(self.pre_mlp_layernorm), x.dtype)
             attention = self.self_attention
             attention.linear_qkv.weave = Weave(
-                chunks, halves, before=lambda i: side.wait(input_events[i])
+                chunks, halves, before=lambda i: inputs[i].wait()
             )
             attention.linear_proj.weave = Weave(
                 chunks,
                 halves,
                 partials=partials,
                 add_bias=rank == 0,
-                after=lambda i: launch(i, residual_in, pre_mlp, plan.comm_ctas_attn, attn_events),
+                after=lambda i: launch(i, residual_in, pre_mlp, plan.comm_ctas_attn, attn_ops),
             )
             try:
                 attention(
@@ -243,19 +259,19 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 if successor is not None
                 else None
             )
-            mlp_events: list = []
+            mlp_ops: list[Pending] = []
             for i, half in enumerate(halves):
-                side.wait(attn_events[i])
+                attn_ops[i].wait()
                 self._mlp_half(half.of(normed), partials[i], rank == 0)
-                launch(i, residual, next_norm, plan.comm_ctas_mlp, mlp_events)
+                launch(i, residual, next_norm, plan.comm_ctas_mlp, mlp_ops)
 
         defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs()
         if not defer:
-            for event in mlp_events:
-                side.wait(event)
-            mlp_events = [None] * len(halves)
+            for op in mlp_ops:
+                op.wait()
+            mlp_ops = [Pending() for _ in halves]  # a capture may not wait on another's events
         if next_norm is not None:
-            self._chain.pending = Handoff(out, normed, halves, tuple(mlp_events))
+            self._chain.pending = Handoff(out, normed, halves, tuple(mlp_ops))
         return out
 
     def _mlp_half(self, x: torch.Tensor, partial: torch.Tensor, add_bias: bool) -> None:
@@ -286,14 +302,14 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         return hasattr(self, "cudagraph_manager")
 
     @staticmethod
-    def _input_events(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple | None:
-        """Per-half events guarding the handed-off normed input, or None to compute it here."""
+    def _inputs(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple[Pending, ...] | None:
+        """Per half, the op still writing the handed-off normed input; None: compute it here."""
         if handoff is None:
             return None
         if handoff.halves == halves:
-            return handoff.events
+            return handoff.pending
         handoff.wait()
-        return (None,) * len(halves)
+        return tuple(Pending() for _ in halves)
 
     def _input_norm(self, x: torch.Tensor, normed: torch.Tensor, sp: bool) -> None:
         """normed[C, n, H] <- the input norm of every row (gathered under sequence parallelism)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,20 +91,36 @@ class SideStream:
 
 
 @dataclass
+class Pending:
+    """One half's fused op as its consumer sees it: the side-stream event to wait for, and the
+    work still to issue on the consumer's stream after it, once (the copy-engine op's local
+    reduction, which must not run beside a GEMM). Pending() is already done."""
+
+    event: torch.cuda.Event | None = None
+    finish: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        """Make the current stream wait for the op; issue its remaining work the first time."""
+        SideStream.wait(self.event)
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
+
+
+@dataclass
 class Handoff:
     """What a layer leaves its successor: the residual it returned, the successor's normed input
-    ([chunks, rows, H], written on the side stream) and one event per half saying when it is
-    ready."""
+    ([chunks, rows, H], written on the side stream) and, per half, the op still writing them."""
 
     residual: torch.Tensor
     normed: torch.Tensor
     halves: tuple[Half, ...]
-    events: tuple[torch.cuda.Event | None, ...]
+    pending: tuple[Pending, ...]
 
     def wait(self) -> None:
         """The current stream waits until the hand-off's residual and normed rows are written."""
-        for event in self.events:
-            SideStream.wait(event)
+        for op in self.pending:
+            op.wait()
 
 
 class WeaveChain:

@@ -31,11 +31,15 @@ from megatron_tokenweave.policy import CACHE_DIR, TableKey
 NEVER = 1 << 40
 ALONE_CTAS = (32, 64, 128)
 SPLIT_CTAS = ((8, 8), (16, 16), (32, 32))
+# Copy-engine split: the reduction runs alone on the main stream (many CTAs), except in the
+# sequence-parallel layout with a norm, where the whole op stays beside the GEMM (few CTAs).
+CE_SPLIT_CTAS = (16, 64, 128)
 
 
 def candidates() -> dict[str, dict]:
     """Name -> TokenWeaveConfig overrides of every candidate plan: the fused kernel unsplit and
-    split at several CTA counts, on its SM-driven and its copy-engine data path, and the stock
+    split at several CTA counts, on its SM-driven and its copy-engine data path (there: the
+    transfer beside the GEMMs, the reduction on the main stream), and the stock
     collectives unsplit and split (on the side stream).
     (A GEMM SM carve-out lost everywhere it was measured, so it is not searched.)"""
     out = {f"alone{c}": dict(split_threshold=NEVER, comm_ctas_alone=c) for c in ALONE_CTAS}
@@ -44,9 +48,9 @@ def candidates() -> dict[str, dict]:
         for a, m in SPLIT_CTAS
     })
     out.update({
-        f"ce_split{a}/{m}": dict(split_threshold=0, comm_ctas_attn=a, comm_ctas_mlp=m,
-                                 comm="copy_engine")
-        for a, m in SPLIT_CTAS
+        f"ce_split{c}": dict(split_threshold=0, comm_ctas_attn=c, comm_ctas_mlp=c,
+                             comm="copy_engine")
+        for c in CE_SPLIT_CTAS
     })
     out["ce_alone128"] = dict(split_threshold=NEVER, comm_ctas_alone=128, comm="copy_engine")
     out["collectives"] = dict(split_threshold=NEVER, comm="collectives")

@@ -31,14 +31,17 @@ def setup_tp(world: int) -> None:
 
 @contextlib.contextmanager
 def record_fused_calls() -> Iterator[list[tuple[int, int]]]:
-    """Record (chunks, rows) of every fused op call the woven layer makes."""
+    """Record (chunks, rows) of every fused op the woven layer makes, once per op (a
+    copy-engine op issued as a transfer and a reduction counts at its reduction)."""
     import megatron_tokenweave.layer as layer_mod
 
     calls: list[tuple[int, int]] = []
     original = layer_mod.fused_allreduce_rmsnorm
 
     def counting(workspace, partial, *args, **kwargs):
-        calls.append((int(partial.shape[0]), int(partial.shape[1])))
+        phase = args[9] if len(args) > 9 else kwargs.get("phase", "whole")
+        if phase != "transfer":
+            calls.append((int(partial.shape[0]), int(partial.shape[1])))
         return original(workspace, partial, *args, **kwargs)
 
     layer_mod.fused_allreduce_rmsnorm = counting

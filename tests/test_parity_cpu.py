@@ -3,7 +3,8 @@
 Every case runs inside ONE spawned 2-rank job (module fixture); the tests below assert on what the
 ranks returned. Cases: token counts 1, 7, 64, 1000, 1024, 1031 x batch 1, 3 x sequence
 parallelism off/on x split forced (align 1) / split with align 128 and an offset / no split /
-split forced with comm="collectives" (torch.distributed collectives instead of the fused op).
+split forced with comm="collectives" (torch.distributed collectives instead of the fused op) /
+split forced with comm="copy_engine" (the reference runs each op where its reduction is due).
 The tokenweave model loads the stock model's state_dict with strict=True. With sequence
 parallelism it is built from `get_gpt_decoder_block_tokenweave_spec` and compared with the stock
 model WITHOUT sequence parallelism (same math; the stock local spec's final norm refuses SP).
@@ -44,8 +45,12 @@ SPLITS = {
     "collectives": TokenWeaveConfig(
         split_threshold=0, split_align=1, comm="collectives", tuning_table="none"
     ),
+    # The copy-engine path's schedule: each op's reduction deferred to its consumer.
+    "copy_engine": TokenWeaveConfig(
+        split_threshold=0, split_align=1, comm="copy_engine", tuning_table="none"
+    ),
 }
-FORCED = ("forced", "collectives")  # split at the midpoint
+FORCED = ("forced", "collectives", "copy_engine")  # split at the midpoint
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOW_PRECISION_CASES = ((3, 64), (1, 1000))  # (batch, tokens)
 SP_REFUSAL = "First dimension of the tensor should be divisible by tensor parallel size"

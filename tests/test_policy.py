@@ -165,9 +165,9 @@ def test_execution_modes_have_their_own_tables_with_fallback(tmp_path, monkeypat
 def test_tuner_keeps_the_simple_plan_inside_the_noise():
     from megatron_tokenweave.tune import candidates, pick
 
-    assert {"alone64", "split16/16", "collectives", "collectives_split", "ce_split16/16",
+    assert {"alone64", "split16/16", "collectives", "collectives_split", "ce_split16",
             "ce_alone128"} <= set(candidates())
-    assert candidates()["ce_split16/16"]["comm"] == "copy_engine"
+    assert candidates()["ce_split128"]["comm"] == "copy_engine"
     times = {"alone64": 100.0, "alone128": 101.0, "split16/16": 99.5, "collectives": 99.8}
     assert pick(times, min_gain=0.01) == "alone64"  # 0.5 % is noise
     times["split16/16"] = 98.0

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.schedule import Half, Handoff, SideStream, WeaveChain, plan_halves
+from megatron_tokenweave.schedule import (
+    Half,
+    Handoff,
+    Pending,
+    SideStream,
+    WeaveChain,
+    plan_halves,
+)
 
 ROWS = tuple(range(0, 70)) + (127, 128, 129, 255, 256, 257, 511, 512, 1000, 1031, 4097)
 CHUNKS = (1, 2, 4, 8)
@@ -113,7 +120,7 @@ def test_side_stream_on_cpu_is_a_no_op():
 
 def _handoff(residual: torch.Tensor) -> Handoff:
     normed = torch.randn(1, *residual.shape)
-    return Handoff(residual, normed, (Half(0, residual.shape[0]),), (None,))
+    return Handoff(residual, normed, (Half(0, residual.shape[0]),), (Pending(),))
 
 
 def test_weave_chain_claim_returns_handoff_for_the_same_tensor():
@@ -185,3 +192,17 @@ def test_cross_layer_deferral_off_only_where_megatron_graphs_each_layer():
     assert TokenWeaveTransformerLayer._layer_graphs(SimpleNamespace()) is False
     managed = SimpleNamespace(cudagraph_manager=object())
     assert TokenWeaveTransformerLayer._layer_graphs(managed) is True
+
+
+def test_pending_issues_its_remaining_work_once_and_an_unclaimed_handoff_is_finished():
+    calls: list[int] = []
+    op = Pending(None, lambda: calls.append(1))
+    op.wait()
+    op.wait()
+    assert calls == [1]  # the copy-engine reduction runs exactly once
+    chain = WeaveChain()
+    x = torch.randn(3, 1, 8)
+    chain.pending = Handoff(x, torch.randn(1, 3, 8), (Half(0, 3),),
+                            (Pending(None, lambda: calls.append(2)),))
+    assert chain.claim(torch.randn(3, 1, 8)) is None  # another tensor: settled, not claimed
+    assert calls == [1, 2] and chain.pending is None

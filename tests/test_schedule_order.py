@@ -7,7 +7,10 @@ fused op log themselves, and the test asserts the dependencies the GPU relies on
 - layer i's post-MLP op of half h is recorded on the side stream and layer i+1's qkv GEMM of half h
   waits for exactly that event (the cross-layer deferral);
 - the last layer of the block adds without a norm and the current stream waits for all its
-  events before the block returns.
+  events before the block returns;
+- on the copy-engine data path (replicated layout) the side stream carries only each op's
+  transfer, and its reduction runs on the main stream after the wait for that transfer, before
+  the first GEMM that reads the half (never beside a GEMM).
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ from megatron_tokenweave.models import SHAPES
 LAYERS = 3
 
 
-def _record(rank: int, world: int) -> list[tuple]:
+def _record(rank: int, world: int, comm: str = "fused", sp: bool = True) -> list[tuple]:
     import megatron_tokenweave.layer as layer_mod
     import megatron_tokenweave.linears as linears_mod
     from megatron_tokenweave.schedule import SideStream
 
     setup_tp(world)
-    cfg = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
+    cfg = TokenWeaveConfig(split_threshold=0, split_align=1, comm=comm, tuning_table="none")
     model = build_model("tokenweave_block", SHAPES["tiny"], LAYERS, world, cfg,
-                        sequence_parallel=True)
+                        sequence_parallel=sp)
     names = {p.data_ptr(): n for n, p in model.named_parameters()}
     log: list[tuple] = []
     counter = itertools.count()
@@ -61,7 +64,8 @@ def _record(rank: int, world: int) -> list[tuple]:
 
     def fused(ws, partial, residual, weight, *args, original=layer_mod.fused_allreduce_rmsnorm):
         stream = "side" if state["side"] else "main"
-        log.append(("fused", stream, weight is None, partial.shape[1]))
+        phase = args[7] if len(args) > 7 else "whole"
+        log.append(("fused", stream, weight is None, partial.shape[1], phase))
         return original(ws, partial, residual, weight, *args)
 
     patches = [
@@ -143,3 +147,35 @@ def test_stream_dependencies_of_the_woven_schedule():
             tail_waits = [e[1] for e in entries[fused[-1]:] if e[0] == "wait"]
             assert set(mlp_events) <= set(tail_waits), entries
         handed_off = mlp_events
+
+
+def test_copy_engine_reduction_runs_on_the_main_stream_before_its_consumer():
+    log = run_ranks(_record, "copy_engine", False)[0]
+    layers = _split_layers(log)
+    assert len(layers) == LAYERS
+    for index, entries in enumerate(layers):
+        transfers = [i for i, e in enumerate(entries) if e[0] == "fused" and e[4] == "transfer"]
+        reduces = [i for i, e in enumerate(entries) if e[0] == "fused" and e[4] == "reduce"]
+        assert all(entries[i][1] == "side" for i in transfers), entries
+        assert all(entries[i][1] == "main" for i in reduces), entries
+        assert not [e for e in entries if e[0] == "fused" and e[4] == "whole"], entries
+        assert all(entries[i + 1][0] == "record" for i in transfers), entries
+        gemms = [i for i, e in enumerate(entries) if e[0] == "gemm"]
+        proj = [i for i in gemms if "linear_proj" in entries[i][1]]
+        fc1 = [i for i in gemms if "linear_fc1" in entries[i][1]]
+        # Attention: each half's transfer right after its proj GEMM; its reduction after the
+        # wait for that transfer's event and before the half's first MLP GEMM, after both projs.
+        assert [entries[i + 1][0] for i in proj] == ["fused", "fused"], entries
+        for half in range(2):
+            event = entries[proj[half] + 2][1]
+            reduce_at = max(i for i in reduces if i < fc1[half])
+            wait_at = entries.index(("wait", event))
+            assert proj[-1] < wait_at < reduce_at < fc1[half], (index, half, entries)
+            assert not [g for g in gemms if wait_at < g < reduce_at], entries
+        # Post-MLP: two transfers per layer on the side stream; layer i's reductions run in
+        # layer i+1 before its qkv GEMMs (deferred), the last layer's before it returns.
+        assert len(transfers) == 4, entries
+        if index < LAYERS - 1:
+            assert len(reduces) == 2 + (2 if index > 0 else 0), (index, entries)
+        else:
+            assert len(reduces) == 4 + (2 if index > 0 else 0), (index, entries)

@@ -17,6 +17,9 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
   tokenweave_sp_split / _nosplit  the same, always / never split (to place the threshold)
   tokenweave_ce / tokenweave_sp_ce  either layout on the kernel's copy-engine data path
                   (config defaults: split from 1K tokens, 16 CTAs per phase; no table)
+  tokenweave_split / tokenweave_ce_split  replicated, always split (no table): the SM-driven
+                  op beside the GEMMs (32 CTAs), or the copy-engine path with only the transfers
+                  beside the GEMMs and the reductions on the main stream (128 CTAs)
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
 `eager` times plain Python forwards (launch overhead included). MoE shapes dispatch as
 `--moe-dispatch` says (models.MOE_DISPATCH): `allgather` (dropless; it copies token counts to the
@@ -48,6 +51,13 @@ VARIANTS = {
     "tokenweave_sp_nosplit": (True, {"split_threshold": 1 << 30, "tuning_table": "none"}),
     "tokenweave_ce": (False, {"comm": "copy_engine", "tuning_table": "none"}),
     "tokenweave_sp_ce": (True, {"comm": "copy_engine", "tuning_table": "none"}),
+    # Always split (replicated): on the SM-driven path, and on the copy-engine path with the
+    # reductions on the main stream (128 CTAs).
+    "tokenweave_split": (False, {"split_threshold": 0, "comm_ctas_attn": 32,
+                                 "comm_ctas_mlp": 32, "tuning_table": "none"}),
+    "tokenweave_ce_split": (False, {"comm": "copy_engine", "split_threshold": 0,
+                                    "comm_ctas_attn": 128, "comm_ctas_mlp": 128,
+                                    "tuning_table": "none"}),
     "tokenweave_sp_split_c16": (
         True, {"split_threshold": 0, "gemm_sm_carveout": 16, "tuning_table": "none"}
     ),

@@ -68,7 +68,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm_copy_engine")
     def _fused_ce_fake(partial, residual, weight, eps, residual_out, normed_out, sequence_parallel,
                        bases, signal, rank, world, local_base, buffer_bytes, ctas, timeout_ns,
-                       sources, mirror, peer_data, mirrors, mirror_bytes):
+                       sources, mirror, peer_data, mirrors, mirror_bytes, phase):
         return None
 
 

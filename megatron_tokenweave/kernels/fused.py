@@ -12,9 +12,12 @@ from megatron_tokenweave.kernels.policy import MULTIMEM, select_backend
 from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
+    PHASES,
     Layout,
+    Phase,
     TokenWeaveInputError,
     check_fused_args,
+    phases_apply,
 )
 
 MIN_CTAS, MAX_CTAS = 1, 128
@@ -83,6 +86,20 @@ def _partial_outside(partial: torch.Tensor, buffer: SymmetricBuffer,
         f"{partial.numel() * partial.element_size()} bytes) is not inside {region}")
 
 
+def _check_phase(phase: Phase, mirror: CopyEngineMirror | None, layout: Layout,
+                 weight: torch.Tensor | None) -> None:
+    if phase not in PHASES:
+        raise TokenWeaveInputError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase == "whole":
+        return
+    if mirror is None:
+        raise TokenWeaveInputError(f"phase {phase!r} needs the copy-engine data path (a mirror)")
+    if not phases_apply(layout, weight):
+        raise TokenWeaveInputError(
+            "the copy-engine op runs in phases only when it gathers no normed rows (replicated "
+            "layout, or no norm); sequence parallel with a norm takes phase='whole'")
+
+
 def _check_mirror(mirror: CopyEngineMirror, buffer: SymmetricBuffer, partial: torch.Tensor,
                   backend: str) -> None:
     if mirror.buffer is not buffer:
@@ -108,6 +125,7 @@ def fused_allreduce_rmsnorm(
     backend: str = "auto",
     validate: bool = True,
     mirror: CopyEngineMirror | None = None,
+    phase: Phase = "whole",
 ) -> None:
     """y = sum_p partial_p[chunk] + residual; residual_out = y; normed_out = RMSNorm(y) * weight.
 
@@ -119,8 +137,13 @@ def fused_allreduce_rmsnorm(
     mirror: take the copy-engine data path (copy_engine.cuh) with these mirrors of `buffer`
     (peer access by copy engines; `ctas` CTAs then only reduce and normalize local rows). Every
     rank must choose the same path.
+    phase: on the copy-engine path, "transfer" issues only the pull of the peers' rows (with its
+    barriers; the peers are then done with this rank's rows) and "reduce" only the local
+    reduction + norm, which must follow the transfer in stream order (an event between streams);
+    "whole" both. Every rank issues the same phases in the same order.
     """
     load_extension()
+    _check_phase(phase, mirror, layout, weight)  # always: a wrong phase would run the op twice
     if validate:
         check_kernel_args(partial, residual, weight, residual_out, normed_out, layout, buffer,
                           ctas)
@@ -131,7 +154,8 @@ def fused_allreduce_rmsnorm(
             partial, residual, weight, float(eps), residual_out, normed_out,
             layout is Layout.SEQUENCE_PARALLEL, buffer.bases, buffer.signal, buffer.rank,
             buffer.world, buffer.local_base, buffer.nbytes, ctas, int(buffer.timeout_s * 1e9),
-            mirror.sources, mirror.mirror, buffer.peer_data, mirror.mirrors, mirror.nbytes)
+            mirror.sources, mirror.mirror, buffer.peer_data, mirror.mirrors, mirror.nbytes,
+            PHASES.index(phase))
         return
     chosen = select_backend(backend, os.environ,
                             backend != "p2p" and buffer.multicast_base is not None

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
-from megatron_tokenweave.ops.validate import Comm, Layout, check_fused_args
+from megatron_tokenweave.ops.validate import Comm, Layout, Phase, check_fused_args
 
 if TYPE_CHECKING:
     from megatron_tokenweave.workspace import Workspace
@@ -27,6 +27,7 @@ def fused_allreduce_rmsnorm(
     ctas: int = 16,
     validate: bool = True,
     comm: Comm = "fused",
+    phase: Phase = "whole",
 ) -> None:
     """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
 
@@ -45,7 +46,12 @@ def fused_allreduce_rmsnorm(
         copy-engine path; the reference backend has no such distinction and runs the reference);
         "collectives" runs torch.distributed collectives in the activations' dtype plus a separate
         add and norm (the stock mechanism; reduces in place in `partial`).
+    phase: "transfer" then "reduce" split the copy-engine op in two (kernels.fused_allreduce_
+        rmsnorm; only where `phases_apply`). Mechanisms without such phases run the whole op at
+        "reduce", when its results are due, and nothing at "transfer".
     """
+    if phase == "transfer" and not (comm == "copy_engine" and workspace.backend == "kernel"):
+        return
     if comm == "collectives":
         if validate:
             world = dist.get_world_size(workspace.group)
@@ -60,6 +66,7 @@ def fused_allreduce_rmsnorm(
             partial, residual, weight, eps, residual_out, normed_out, layout,
             workspace.symmetric, ctas=ctas, validate=validate,
             mirror=workspace.copy_engine_mirror() if comm == "copy_engine" else None,
+            phase=phase if comm == "copy_engine" else "whole",
         )
     else:
         fused_allreduce_rmsnorm_reference(

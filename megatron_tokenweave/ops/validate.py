@@ -12,6 +12,10 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
 Comm = Literal["fused", "collectives", "copy_engine"]
 COMMS: tuple[str, ...] = ("fused", "collectives", "copy_engine")
+# What one call of the fused op issues: all of it, or (copy-engine data path, split layers) the
+# transfer of the peers' rows alone, or the local reduction + norm alone after it.
+Phase = Literal["whole", "transfer", "reduce"]
+PHASES: tuple[str, ...] = ("whole", "transfer", "reduce")
 
 
 class Layout(str, enum.Enum):
@@ -19,6 +23,12 @@ class Layout(str, enum.Enum):
 
     SEQUENCE_PARALLEL = "sequence_parallel"  # rank r keeps rows of chunk r; normed rows go to all
     REPLICATED = "replicated"  # every rank keeps every row
+
+
+def phases_apply(layout: Layout, weight: torch.Tensor | None) -> bool:
+    """Whether the copy-engine op can run as a transfer and a separate reduction: only when it
+    gathers no normed rows after the reduction (replicated layout, or no norm)."""
+    return layout is Layout.REPLICATED or weight is None
 
 
 class TokenWeaveInputError(ValueError):

@@ -2,8 +2,9 @@
 
 * test_kernel_two_gpus: 2 ranks on 2 GPUs (NCCL), every case against ops/reference.py run over NCCL
   on the same inputs, outputs poisoned with NaN, on every data path (SM-driven bulk copies and
-  registers, one-shot, copy engines); 10,000 consecutive calls and 1,000 CUDA-graph replays per
-  path; a peer that never arrives -> check_error raises.
+  registers, one-shot, copy engines, the copy-engine op as a transfer on a side stream and a
+  reduction on the main stream); 10,000 consecutive calls and 1,000 CUDA-graph replays per path;
+  a peer that never arrives -> check_error raises.
 * test_kernel_protocol_one_gpu: 2 processes sharing one GPU (gloo + CUDA IPC): the inter-rank
   protocol on a few cases against a locally computed expectation, and the timeout path.
 All cases of a test run inside one spawned job (one extension load, one process group).
@@ -95,17 +96,42 @@ def _case_tensors(buf, layout, n, hidden, dtype, world, rank, seed, weight_on, a
     return part, res_in, weight, residual_out, normed, residual
 
 
+def _call(kernels, args: tuple, buf, ctas: int, mirror, phased: bool, validate: bool = True):
+    """The op on the current stream; `phased`: its copy-engine transfer on a side stream, the
+    reduction back on the current stream after an event (the woven layer's arrangement)."""
+    if not phased:
+        kernels.fused_allreduce_rmsnorm(*args, buf, ctas=ctas, mirror=mirror, validate=validate)
+        return
+    main, side = torch.cuda.current_stream(), _side_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        kernels.fused_allreduce_rmsnorm(*args, buf, ctas=ctas, mirror=mirror, validate=validate,
+                                        phase="transfer")
+    main.wait_stream(side)
+    kernels.fused_allreduce_rmsnorm(*args, buf, ctas=ctas, mirror=mirror, validate=validate,
+                                    phase="reduce")
+
+
+_SIDE: list = []
+
+
+def _side_stream() -> torch.cuda.Stream:
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1]))
+    return _SIDE[0]
+
+
 def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
-    from megatron_tokenweave.ops.validate import Layout
+    from megatron_tokenweave.ops.validate import Layout, phases_apply
 
     group = _init(rank, world, port, "nccl", rank)
     dev = torch.device("cuda", rank)
     buf = kernels.SymmetricBuffer(group, 320 << 20, dev)
     mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
     t0 = time.time()
-    ncase = 0
+    ncase = nphased = 0
     seed = 1
     for dtype in (torch.bfloat16, torch.float16):
         for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
@@ -130,40 +156,47 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                         regs = seed % 3 == 0
                         no_oneshot = (seed // 4) % 2 == 1  # independent of ctas, weight, alias
                         ce = (seed // 8) % 3 == 0
+                        # Half of those, where it applies, as a transfer + a reduction.
+                        phased = ce and (seed // 2) % 2 == 0 and phases_apply(layout, w)
                         os.environ["TOKENWEAVE_NO_BULK"] = "1" if regs else "0"
                         os.environ["TOKENWEAVE_NO_ONESHOT"] = "1" if no_oneshot else "0"
-                        kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed,
-                                                        layout, buf, ctas=ctas,
-                                                        mirror=mirror if ce else None)
+                        _call(kernels, (part, res_in, w, EPS, res_out, normed, layout), buf,
+                              ctas, mirror if ce else None, phased)
                         os.environ.pop("TOKENWEAVE_NO_BULK")
                         os.environ.pop("TOKENWEAVE_NO_ONESHOT")
                         what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
                                 f"n={n} weight={weight_on} alias={alias} ctas={ctas} "
-                                f"regs={regs} no_oneshot={no_oneshot} copy_engine={ce}")
+                                f"regs={regs} no_oneshot={no_oneshot} copy_engine={ce} "
+                                f"phased={phased}")
                         torch.testing.assert_close(res_out, ref_res, **_tol(dtype), msg=what)
                         if weight_on:
                             torch.testing.assert_close(normed, ref_normed, **_tol(dtype), msg=what)
                         ncase += 1
+                        nphased += phased
+    assert nphased >= 8, nphased
     buf.check_error()
     t_cases = time.time() - t0
 
     # 10,000 consecutive calls and 1,000 graph replays, partial rewritten before every call:
     # the barrier path (sequence parallel, 256 rows), the one-shot path (replicated, 64 rows:
     # 10,000 rounds through its three receive buffers) and the copy-engine path (both layouts).
-    loops = ((Layout.SEQUENCE_PARALLEL, 256, None), (Layout.REPLICATED, 64, None),
-             (Layout.SEQUENCE_PARALLEL, 256, mirror), (Layout.REPLICATED, 1000, mirror))
-    t_loops = [_consecutive_calls(buf, group, rank, dev, layout, n, m) for layout, n, m in loops]
+    loops = ((Layout.SEQUENCE_PARALLEL, 256, None, False), (Layout.REPLICATED, 64, None, False),
+             (Layout.SEQUENCE_PARALLEL, 256, mirror, False),
+             (Layout.REPLICATED, 1000, mirror, False), (Layout.REPLICATED, 1000, mirror, True))
+    t_loops = [_consecutive_calls(buf, group, rank, dev, layout, n, m, phased)
+               for layout, n, m, phased in loops]
     buf.check_error()
     buf.close()
 
     _timeout_check(group, rank, dev)
     print(f"[rank {rank}] {ncase} cases in {t_cases:.1f}s, 10k calls in "
           + " / ".join(f"{t:.1f}s" for t in t_loops)
-          + " (barrier, one-shot, copy engine sp, copy engine replicated), graphs OK", flush=True)
+          + " (barrier, one-shot, copy engine sp, copy engine replicated, the same phased), "
+          "graphs OK", flush=True)
     dist.destroy_process_group()
 
 
-def _consecutive_calls(buf, group, rank, dev, layout, n, mirror) -> float:
+def _consecutive_calls(buf, group, rank, dev, layout, n, mirror, phased) -> float:
     """10,000 calls alternating two inputs, then 500 replays of a graph of 2 calls; the largest
     error against the reference stays small and finite. Returns the seconds of the 10,000."""
     from megatron_tokenweave import kernels
@@ -185,12 +218,12 @@ def _consecutive_calls(buf, group, rank, dev, layout, n, mirror) -> float:
     def step(k):
         src, residual, w, ref_res, ref_normed = sets[k]
         part.copy_(src)
-        kernels.fused_allreduce_rmsnorm(part, residual, w, EPS, res_out, normed, layout, buf,
-                                        ctas=8, validate=False, mirror=mirror)
+        _call(kernels, (part, residual, w, EPS, res_out, normed, layout), buf, 8, mirror, phased,
+              validate=False)
         err.copy_(torch.maximum(err, (normed.float() - ref_normed.float()).abs().max()))
         err.copy_(torch.maximum(err, (res_out.float() - ref_res.float()).abs().max()))
 
-    what = f"rank {rank} {layout.value} n={n} copy_engine={mirror is not None}"
+    what = f"rank {rank} {layout.value} n={n} copy_engine={mirror is not None} phased={phased}"
     t1 = time.time()
     for i in range(10000):
         step(i % 2)

@@ -20,6 +20,11 @@
 //   then
 //   6. END: the barrier kernel on slot kCopyEngineSlot's end flags, epoch e: every peer finished
 //      pulling r's partial rows (and normed chunk), so r may overwrite them.
+// Two phases (replicated layout, or no norm: nothing to gather after the reduction): TRANSFER =
+// steps 1, 2 and 6 (every peer has pulled my rows once END passes), REDUCE = step 3 alone, over
+// local memory. The layer issues TRANSFER on its side stream beside the other half's GEMMs and
+// REDUCE on the main stream when the rows are needed: then no SM-driven work runs beside a GEMM
+// (what slowed the GEMM on the side-stream arrangement, docs/kernel.md), only the copy engines.
 // Stream order makes each copy complete before the next step starts; the barrier kernels'
 // release/acquire flags order the steps across ranks. No flag is reused too early: a peer writes
 // start = e + 1 or mid = e + 1 only after it passed START(e + 1), which needs my start = e + 1,
@@ -35,11 +40,13 @@
 
 namespace tokenweave {
 
-enum CopyEnginePhase : int { kCeStart = 0, kCeMid = 1, kCeEnd = 2 };
+enum CopyEngineBarrier : int { kCeStart = 0, kCeMid = 1, kCeEnd = 2 };
+// What one call of the copy-engine op issues (the op's `phase` argument).
+enum CopyEnginePhase : int { kCeWhole = 0, kCeTransfer = 1, kCeReduce = 2 };
 
 // One CTA of 32 threads: one barrier of the copy-engine op (START takes kCopyEngineSlot's next
 // epoch; MID and END use the epoch START took, or return if an error is recorded).
-template <int kPhase>
+template <int kBarrier>
 __global__ void __launch_bounds__(32)
     copy_engine_barrier_kernel(const int64_t* pad_bases, int rank, int world,
                                uint64_t timeout_ns) {
@@ -48,7 +55,7 @@ __global__ void __launch_bounds__(32)
   SignalPad* self = reinterpret_cast<SignalPad*>(pad_bases[rank]);
   if (threadIdx.x == 0) {
     s_fail = 0;
-    if (kPhase == kCeStart) {
+    if (kBarrier == kCeStart) {
       s_epoch = next_epoch(self, kCopyEngineSlot);
     } else {
       const bool failed = *reinterpret_cast<volatile uint32_t*>(&self->error[0]) != kOk;
@@ -58,8 +65,8 @@ __global__ void __launch_bounds__(32)
   __syncthreads();
   const uint32_t e = s_epoch;
   if (e == 0) return;  // an earlier launch timed out: do nothing until the host reads the error
-  constexpr int slot = kPhase == kCeMid ? kCopyEngineMidSlot : kCopyEngineSlot;
-  cta_barrier<kPhase == kCeEnd>(pad_bases, rank, world, slot, e, timeout_ns, &s_fail);
+  constexpr int slot = kBarrier == kCeMid ? kCopyEngineMidSlot : kCopyEngineSlot;
+  cta_barrier<kBarrier == kCeEnd>(pad_bases, rank, world, slot, e, timeout_ns, &s_fail);
 }
 
 }  // namespace tokenweave
