@@ -33,6 +33,7 @@
 #          the split on the SM-driven path and on the copy-engine path (reductions on the main
 #          stream)
 #   tune_rep   tables for the 70B shapes, replicated layout only (what the engines run)
+#   tune_rep4  its CUDA-graph table from 4-layer blocks (three cross-layer hand-offs, not one)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -130,6 +131,11 @@ case "$phase" in
   tune_rep)
     TAIL=16 step tune70b_rep 470 python -m megatron_tokenweave.tune --model llama-3.3-70b \
       --layouts replicated --budget-s 400
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
+    ;;
+  tune_rep4)
+    TAIL=16 step tune70b_rep4 300 python -m megatron_tokenweave.tune --model llama-3.3-70b \
+      --layouts replicated --modes graph --layers 4 --budget-s 240
     mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
     ;;
   more)

@@ -155,9 +155,14 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             if handoff is not None:
                 handoff.wait()  # the stock path reads the residual on the current stream
             return super().forward(hidden_states, *args, **kwargs)
-        if args:
-            raise TypeError("TokenWeaveTransformerLayer takes the layer's arguments by keyword")
-        return self._woven_forward(hidden_states, handoff, kwargs), kwargs.get("context")
+        try:
+            if args:
+                raise TypeError("TokenWeaveTransformerLayer takes the layer's arguments by keyword")
+            return self._woven_forward(hidden_states, handoff, kwargs), kwargs.get("context")
+        except BaseException:
+            if handoff is not None:
+                handoff.wait()  # the predecessor's rows are complete even when this layer fails
+            raise
 
     def _woven_forward(
         self, x: torch.Tensor, handoff: Handoff | None, attn_kwargs: dict[str, Any]

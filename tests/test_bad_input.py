@@ -141,6 +141,41 @@ def test_bad_op_arguments_raise_and_write_nothing(single_rank_group, case, via):
             old.nan_to_num(3.0), new.nan_to_num(3.0))
 
 
+@pytest.mark.parametrize("comm", ["fused", "copy_engine", "collectives"])
+@pytest.mark.parametrize(("phase", "layout", "message"), [
+    ("later", Layout.REPLICATED, "phase must be one of"),
+    ("reduce", Layout.SEQUENCE_PARALLEL, "runs in phases only when it gathers no normed rows"),
+    ("transfer", Layout.SEQUENCE_PARALLEL, "runs in phases only when it gathers no normed rows"),
+])
+def test_bad_phase_raises_on_every_backend(single_rank_group, comm, phase, layout, message):
+    """A wrong phase fails the same way on the CPU backends as on the kernel (where the op would
+    run twice or skip its gather), before anything is written."""
+    args = _valid_args(layout=layout)
+    ws = Workspace(single_rank_group, 64, H, torch.float32, CPU, "reference")
+    with pytest.raises(TokenWeaveInputError, match=message):
+        fused_allreduce_rmsnorm(ws, args["partial"], args["residual"], args["weight"], EPS,
+                                args["residual_out"], args["normed_out"], layout, comm=comm,
+                                phase=phase)
+    assert args["residual_out"].isnan().all() and args["normed_out"].isnan().all()
+
+
+def test_phases_on_a_backend_without_them_run_the_op_once_at_reduce(single_rank_group):
+    """Reference backend: "transfer" writes nothing, "reduce" the whole op."""
+    args = _valid_args(layout=Layout.REPLICATED)
+    ws = Workspace(single_rank_group, 64, H, torch.float32, CPU, "reference")
+    call = [ws, args["partial"], args["residual"], args["weight"], EPS, args["residual_out"],
+            args["normed_out"], Layout.REPLICATED]
+    fused_allreduce_rmsnorm(*call, comm="copy_engine", phase="transfer")
+    assert args["residual_out"].isnan().all() and args["normed_out"].isnan().all()
+    fused_allreduce_rmsnorm(*call, comm="copy_engine", phase="reduce")
+    want_res = torch.full_like(args["residual_out"], float("nan"))
+    want_normed = torch.full_like(args["normed_out"], float("nan"))
+    fused_allreduce_rmsnorm_reference(args["partial"], args["residual"], args["weight"], EPS,
+                                      want_res, want_normed, Layout.REPLICATED, single_rank_group)
+    assert torch.equal(args["residual_out"], want_res)
+    assert torch.equal(args["normed_out"], want_normed)
+
+
 def test_input_error_is_a_value_error():
     assert issubclass(TokenWeaveInputError, ValueError)
     assert issubclass(WorkspaceCapacityError, TokenWeaveInputError)

@@ -27,7 +27,8 @@ from megatron_tokenweave.models import SHAPES
 LAYERS = 3
 
 
-def _record(rank: int, world: int, comm: str = "fused", sp: bool = True) -> list[tuple]:
+def _record(rank: int, world: int, comm: str = "fused", sp: bool = True,
+            tokens: int = 40) -> list[tuple]:
     import megatron_tokenweave.layer as layer_mod
     import megatron_tokenweave.linears as linears_mod
     from megatron_tokenweave.schedule import SideStream
@@ -88,7 +89,7 @@ def _record(rank: int, world: int, comm: str = "fused", sp: bool = True) -> list
         for i, layer in enumerate(model.decoder.layers):
             layer.register_forward_pre_hook(lambda *_, i=i: log.append(("begin", i)))
             layer.register_forward_hook(lambda *_, i=i: log.append(("end", i)))
-        forward(model, torch.randint(0, SHAPES["tiny"].vocab, (1, 40)))
+        forward(model, torch.randint(0, SHAPES["tiny"].vocab, (1, tokens)))
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
@@ -150,32 +151,55 @@ def test_stream_dependencies_of_the_woven_schedule():
 
 
 def test_copy_engine_reduction_runs_on_the_main_stream_before_its_consumer():
-    log = run_ranks(_record, "copy_engine", False)[0]
+    # 41 tokens, replicated: halves of 20 and 21 rows, so every op names its half by its rows.
+    log = run_ranks(_record, "copy_engine", False, 41)[0]
     layers = _split_layers(log)
     assert len(layers) == LAYERS
+    rows = (20, 21)
+    handed_off: list[str] | None = None  # the previous layer's post-MLP transfer events (A, B)
     for index, entries in enumerate(layers):
-        transfers = [i for i, e in enumerate(entries) if e[0] == "fused" and e[4] == "transfer"]
-        reduces = [i for i, e in enumerate(entries) if e[0] == "fused" and e[4] == "reduce"]
+        last = index == LAYERS - 1
+        fused = [(i, e) for i, e in enumerate(entries) if e[0] == "fused"]
+        assert not [e for _, e in fused if e[4] == "whole"], entries
+        transfers = [i for i, e in fused if e[4] == "transfer"]
+        reduces = [i for i, e in fused if e[4] == "reduce"]
         assert all(entries[i][1] == "side" for i in transfers), entries
         assert all(entries[i][1] == "main" for i in reduces), entries
-        assert not [e for e in entries if e[0] == "fused" and e[4] == "whole"], entries
+        assert [entries[i][3] for i in transfers] == list(rows) * 2, entries  # attn A B, MLP A B
         assert all(entries[i + 1][0] == "record" for i in transfers), entries
+        events = [entries[i + 1][1] for i in transfers]
         gemms = [i for i, e in enumerate(entries) if e[0] == "gemm"]
+        qkv = [i for i in gemms if "linear_qkv" in entries[i][1]]
         proj = [i for i in gemms if "linear_proj" in entries[i][1]]
         fc1 = [i for i in gemms if "linear_fc1" in entries[i][1]]
-        # Attention: each half's transfer right after its proj GEMM; its reduction after the
-        # wait for that transfer's event and before the half's first MLP GEMM, after both projs.
         assert [entries[i + 1][0] for i in proj] == ["fused", "fused"], entries
-        for half in range(2):
-            event = entries[proj[half] + 2][1]
-            reduce_at = max(i for i in reduces if i < fc1[half])
+
+        def reduce_before(consumer: int, half: int, event: str, entries=entries,
+                          reduces=reduces, gemms=gemms, index=index) -> int:
+            """The half's reduction: after the wait for its transfer's event, before the GEMM
+            that reads the half, with no GEMM between the wait and the reduction."""
+            at = max(i for i in reduces if i < consumer and entries[i][3] == rows[half])
             wait_at = entries.index(("wait", event))
-            assert proj[-1] < wait_at < reduce_at < fc1[half], (index, half, entries)
-            assert not [g for g in gemms if wait_at < g < reduce_at], entries
-        # Post-MLP: two transfers per layer on the side stream; layer i's reductions run in
-        # layer i+1 before its qkv GEMMs (deferred), the last layer's before it returns.
-        assert len(transfers) == 4, entries
-        if index < LAYERS - 1:
-            assert len(reduces) == 2 + (2 if index > 0 else 0), (index, entries)
+            assert wait_at < at < consumer, (index, half, entries)
+            assert not [g for g in gemms if wait_at < g < at], (index, half, entries)
+            return at
+
+        # The previous layer's post-MLP reductions run here, each before this layer's qkv GEMM
+        # of its half.
+        if handed_off is not None:
+            for half in range(2):
+                reduce_before(qkv[half], half, handed_off[half])
+        # Attention: each half's reduction after both proj GEMMs, before the half's MLP.
+        for half in range(2):
+            assert reduce_before(fc1[half], half, events[half]) > proj[-1], entries
+        # Post-MLP: deferred to the next layer, except the last layer's, reduced before it ends.
+        mlp_reduces = [i for i in reduces if i > transfers[3]]
+        if last:
+            assert [entries[i][3] for i in mlp_reduces] == list(rows), entries
+            for half in range(2):
+                wait_at = entries.index(("wait", events[2 + half]))
+                assert wait_at < mlp_reduces[half], entries
         else:
-            assert len(reduces) == 4 + (2 if index > 0 else 0), (index, entries)
+            assert not mlp_reduces, entries
+        assert len(reduces) == (2 if index else 0) + 2 + (2 if last else 0), entries
+        handed_off = events[2:]

@@ -4,6 +4,7 @@
   on the same inputs, outputs poisoned with NaN, on every data path (SM-driven bulk copies and
   registers, one-shot, copy engines, the copy-engine op as a transfer on a side stream and a
   reduction on the main stream); 10,000 consecutive calls and 1,000 CUDA-graph replays per path;
+  two phased ops in flight, with a peer poisoning its partial before the other rank reduces;
   a peer that never arrives -> check_error raises.
 * test_kernel_protocol_one_gpu: 2 processes sharing one GPU (gloo + CUDA IPC): the inter-rank
   protocol on a few cases against a locally computed expectation, and the timeout path.
@@ -156,8 +157,12 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                         regs = seed % 3 == 0
                         no_oneshot = (seed // 4) % 2 == 1  # independent of ctas, weight, alias
                         ce = (seed // 8) % 3 == 0
-                        # Half of those, where it applies, as a transfer + a reduction.
-                        phased = ce and (seed // 2) % 2 == 0 and phases_apply(layout, w)
+                        # Every other copy-engine block of 8 (all ctas / alias / weight
+                        # combinations), where it applies, as a transfer + a reduction; a
+                        # quarter of those with 128 CTAs, as the shipped tables reduce.
+                        phased = ce and (seed // 24) % 2 == 0 and phases_apply(layout, w)
+                        if phased and seed % 8 >= 6:
+                            ctas = 128
                         os.environ["TOKENWEAVE_NO_BULK"] = "1" if regs else "0"
                         os.environ["TOKENWEAVE_NO_ONESHOT"] = "1" if no_oneshot else "0"
                         _call(kernels, (part, res_in, w, EPS, res_out, normed, layout), buf,
@@ -185,6 +190,7 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
              (Layout.REPLICATED, 1000, mirror, False), (Layout.REPLICATED, 1000, mirror, True))
     t_loops = [_consecutive_calls(buf, group, rank, dev, layout, n, m, phased)
                for layout, n, m, phased in loops]
+    _phased_in_flight(buf, mirror, group, rank, dev)
     buf.check_error()
     buf.close()
 
@@ -248,6 +254,62 @@ def _consecutive_calls(buf, group, rank, dev, layout, n, mirror, phased) -> floa
     buf.check_error()
     del graph
     return t_loop
+
+
+def _phased_in_flight(buf, mirror, group, rank, dev) -> None:
+    """The layer's arrangement: the transfers of two halves queued on the side stream before
+    either reduction, the reductions on the main stream afterwards (128 CTAs). Then, for each
+    rank in turn, the OTHER rank poisons its own partial rows after its transfers and
+    reductions finished, before this rank reduces: the reduction reads only the local mirror."""
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
+    from megatron_tokenweave.ops.validate import Layout
+
+    dtype, hidden, layout = torch.bfloat16, 8192, Layout.REPLICATED
+    main, side = torch.cuda.current_stream(), _side_stream()
+    rows = (1000, 1031)
+    for late in range(dist.get_world_size(group)):
+        halves, offset = [], 0
+        for k, n in enumerate(rows):
+            part = buf.view(dtype, (1, n, hidden), offset)
+            offset += (n * hidden * 2 + 255) // 256 * 256
+            part.copy_(_gen(7000 + 16 * k + rank, (1, n, hidden), dtype, dev))
+            residual = _gen(7008 + 16 * k, (n, hidden), dtype, dev)
+            w = (1.0 + 0.1 * _gen(7015 + 16 * k, (hidden,), dtype, dev)).to(dtype)
+            ref_res, ref_normed = torch.empty_like(residual), torch.empty(1, n, hidden,
+                                                                           dtype=dtype, device=dev)
+            fused_allreduce_rmsnorm_reference(part.clone(), residual, w, EPS, ref_res, ref_normed,
+                                              layout, group)
+            res_out = torch.full_like(residual, float("nan"))
+            normed = torch.full((1, n, hidden), float("nan"), dtype=dtype, device=dev)
+            halves.append(((part, residual, w, EPS, res_out, normed, layout), ref_res, ref_normed))
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for args, _, _ in halves:
+                kernels.fused_allreduce_rmsnorm(*args, buf, ctas=128, mirror=mirror,
+                                                phase="transfer")
+        main.wait_stream(side)
+
+        def reduce_all(halves=halves):
+            for args, _, _ in halves:
+                kernels.fused_allreduce_rmsnorm(*args, buf, ctas=128, mirror=mirror,
+                                                phase="reduce")
+
+        if rank != late:
+            reduce_all()
+            for (part, *_), _, _ in halves:
+                part.fill_(float("nan"))  # the late rank has pulled these rows already
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        if rank == late:
+            reduce_all()
+        torch.cuda.synchronize()
+        for k, (args, ref_res, ref_normed) in enumerate(halves):
+            what = f"rank {rank} late={late} half {k} (phased, in flight)"
+            torch.testing.assert_close(args[4], ref_res, **_tol(dtype), msg=what)
+            torch.testing.assert_close(args[5], ref_normed, **_tol(dtype), msg=what)
+        dist.barrier(group)
+    buf.check_error()
 
 
 def _timeout_check(group, rank, dev) -> None:
