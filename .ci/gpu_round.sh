@@ -7,9 +7,10 @@
 # in a staging call did not build it on 2026-11-30).
 # Results and per-step logs under $OUT. Phases, one or more per call (`gpu_round.sh moe_tests
 # moe_bench`; each phase fits one 10-minute device call):
-#   tune   split-policy tables for the 70B/Qwen (hidden 8192) and 8B (hidden 4096) shapes, both
-#          layouts, graph and eager, on TE; copied to $OUT/tables (commit them as
-#          megatron_tokenweave/tables/)
+#   tune   split-policy tables for the 70B/Qwen shapes (hidden 8192), both layouts, graph and
+#          eager, on TE (4-layer blocks since session 7: one call per model); copied to
+#          $OUT/tables (commit them as megatron_tokenweave/tables/)
+#   tune8b the same for the 8B shapes (hidden 4096)
 #   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
 #          its block (eager)
 #   tests  TE-spec parity, static-engine serving (graph replay: moe_tests)
@@ -51,8 +52,11 @@ python -c "import importlib.metadata as m; print('TE', m.version('transformer_en
 for phase in "${@:-tests}"; do
 case "$phase" in
   tune)
-    TAIL=14 step tune70b 300 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 260
-    TAIL=14 step tune8b 150 python -m megatron_tokenweave.tune --model llama-3-8b --budget-s 110
+    TAIL=14 step tune70b 520 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 460
+    mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
+    ;;
+  tune8b)
+    TAIL=14 step tune8b 300 python -m megatron_tokenweave.tune --model llama-3-8b --budget-s 250
     mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
     ;;
   bench)
