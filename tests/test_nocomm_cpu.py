@@ -1,7 +1,8 @@
 """The benchmarks' ceiling, "the same model with communication removed" (bench/nocomm.py), on 2
 gloo ranks: inside `no_tp_comm()` the stock spec's row-parallel linears return this rank's
 partial sum (the ranks' partials add up to the reduced output), and Megatron's static engine
-still prefills and stops after one token on every rank, as the end-to-end benchmark runs it."""
+still prefills and stops after one token on every rank, as the end-to-end benchmark runs it, and
+generates a fixed number of tokens, the same on every rank, as its throughput ceiling runs it."""
 
 from __future__ import annotations
 
@@ -36,12 +37,19 @@ def _worker(rank: int, world: int) -> dict:
         logits_nocomm = forward(model, tokens)
     logits_after = forward(model, tokens)
     with cpu_inference_scope(), no_tp_comm():
-        engine = static_engine(model, ByteTokenizer(SHAPE.vocab), 1, 64)
+        engine = static_engine(model, ByteTokenizer(SHAPE.vocab), 2, 64)
         done = engine.generate(prompts=["a prompt of some bytes"], sampling_params=greedy(1))
+        # The throughput ceiling: several tokens, no early stop (termination_id=-1).
+        many = engine.generate(prompts=["first prompt", "other text!!"],
+                               sampling_params=greedy(6, termination_id=-1))
+    many_tokens = [list(t) for t in generated_tokens(many)]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, many_tokens)
     return dict(partial_vs_reduced=rel_err(partial, reduced), summed=rel_err(summed, reduced),
                 logits_nocomm=rel_err(logits_nocomm, logits),
                 restored=rel_err(logits_after, logits),
-                generated=[len(t) for t in generated_tokens(done)])
+                generated=[len(t) for t in generated_tokens(done)],
+                many=[len(t) for t in many_tokens], ranks_agree=gathered[0] == gathered[1])
 
 
 def test_no_tp_comm_removes_the_reductions_and_restores_them():
@@ -51,3 +59,6 @@ def test_no_tp_comm_removes_the_reductions_and_restores_them():
         assert result["logits_nocomm"] > 1e-3  # the model ran without its reductions
         assert result["restored"] == 0.0  # and has them back after the scope
         assert result["generated"] == [1]  # prefill + one token, on every rank
+        # The throughput ceiling's run: exactly the tokens asked for, the same on every rank
+        # (the vocab-parallel logits are gathered, so every rank samples the same token).
+        assert result["many"] == [6, 6] and result["ranks_agree"]

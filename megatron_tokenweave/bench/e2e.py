@@ -11,11 +11,14 @@ interleaving the two models:
                 with its tensor-parallel all-reduces made no-ops (bench/nocomm.py): the ceiling
                 of any communication overlap
   tokens_per_s  --prompts prompts of mixed lengths (--mixed-min..--mixed-max tokens, log-uniform)
-                with --output-tokens greedy tokens each: (prompt + generated tokens) / wall time.
+                with exactly --output-tokens greedy tokens each (no early stop: every model does
+                the same work): (prompt + generated tokens) / wall time.
                 Through the dynamic engine (MegatronLLM, chunked prefill of --chunk tokens) where
                 it can run (serving.engines.dynamic_engine_problem), else the static engine
                 (lengths rounded to powers of sqrt(2) and batches of equal-length prompts, so a
-                batch's prefill is one forward). The row says which.
+                batch's prefill is one forward). The row says which. Also `<stock>_nocomm`
+                (the ceiling) unless the engine runs CUDA graphs (their captures hold the
+                collectives; a ceiling there needs a model captured without them).
 """
 
 from __future__ import annotations
@@ -150,7 +153,10 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
             shape, args.layers, world, tw_config, te, max_seq, **overrides), strict=True))
     prompts = _workload(args, buckets=not use_dynamic)
     prompt_tokens = sum(len(p) for p in prompts)
-    runs: dict[str, Callable[[], int]] = {}
+    # termination_id=-1: no request stops early, whatever its (for the ceiling: unreduced)
+    # logits choose, so every model generates the same tokens count on every rank.
+    sampling = greedy(args.output_tokens, termination_id=-1)
+    runs: dict[str, tuple[Callable[[], int], Callable]] = {}
     for name, model in models.items():
         if use_dynamic:
             llm = dynamic_llm(model, tokenizer, max_seq, max_requests=args.max_batch,
@@ -159,7 +165,7 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
             token_lists = [list(p.encode()) for p in prompts]
 
             def run(llm=llm, token_lists=token_lists) -> int:
-                done = llm.generate(token_lists, greedy(args.output_tokens))
+                done = llm.generate(token_lists, sampling)
                 return sum(len(r.generated_tokens) for r in done)
         else:
             by_length: dict[int, list[str]] = {}
@@ -172,18 +178,22 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
                 for same in by_length.values():
                     for i in range(0, len(same), args.max_batch):
                         done = engine.generate(prompts=same[i : i + args.max_batch],
-                                               sampling_params=greedy(args.output_tokens))
+                                               sampling_params=sampling)
                         generated += sum(len(r.generated_tokens) for r in done)
                 return generated
-        runs[name] = run
-    for run in runs.values():  # warm-up
-        _wall(run)
+        runs[name] = (run, contextlib.nullcontext)
+    if not (use_dynamic and args.cuda_graphs):
+        runs[f"{stock_name}_nocomm"] = (runs[stock_name][0], no_tp_comm)
+    for run, ctx in runs.values():  # warm-up
+        with ctx():
+            _wall(run)
     samples = {name: [] for name in runs}
     generated: dict[str, int] = {}
     for _ in range(args.throughput_reps):
-        for name, run in runs.items():
+        for name, (run, ctx) in runs.items():
             count = [0]
-            seconds = _wall(lambda run=run, count=count: count.__setitem__(0, run()))
+            with ctx():
+                seconds = _wall(lambda run=run, count=count: count.__setitem__(0, run()))
             generated[name] = count[0]
             samples[name].append((prompt_tokens + count[0]) / seconds)
     for name, values in samples.items():
