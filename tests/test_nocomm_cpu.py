@@ -22,6 +22,9 @@ def _worker(rank: int, world: int) -> dict:
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     setup_tp(world)
+    # Seeded: with these weights the first prompt's greedy tokens include the end-of-document
+    # byte (seen with megatron-core 0.19.2 / torch 2.13), so the no-early-stop run is tested.
+    torch.manual_seed(5)
     model = build_model("stock", SHAPE, 2, world, max_seq=64)
     proj = model.decoder.layers[0].self_attention.linear_proj
     x = torch.randn(5, 2, proj.weight.shape[1], generator=torch.Generator().manual_seed(rank))
@@ -39,9 +42,9 @@ def _worker(rank: int, world: int) -> dict:
     with cpu_inference_scope(), no_tp_comm():
         engine = static_engine(model, ByteTokenizer(SHAPE.vocab), 2, 64)
         done = engine.generate(prompts=["a prompt of some bytes"], sampling_params=greedy(1))
-        # The throughput ceiling: several tokens, no early stop (termination_id=-1).
+        # The throughput ceiling: several tokens, no early stop.
         many = engine.generate(prompts=["first prompt", "other text!!"],
-                               sampling_params=greedy(6, termination_id=-1))
+                               sampling_params=greedy(6, stop_at_eod=False))
     many_tokens = [list(t) for t in generated_tokens(many)]
     gathered: list = [None] * world
     dist.all_gather_object(gathered, many_tokens)
@@ -49,7 +52,8 @@ def _worker(rank: int, world: int) -> dict:
                 logits_nocomm=rel_err(logits_nocomm, logits),
                 restored=rel_err(logits_after, logits),
                 generated=[len(t) for t in generated_tokens(done)],
-                many=[len(t) for t in many_tokens], ranks_agree=gathered[0] == gathered[1])
+                many=[len(t) for t in many_tokens], ranks_agree=gathered[0] == gathered[1],
+                eod_generated=any(ByteTokenizer(SHAPE.vocab).eod in t for t in many_tokens))
 
 
 def test_no_tp_comm_removes_the_reductions_and_restores_them():
@@ -62,3 +66,4 @@ def test_no_tp_comm_removes_the_reductions_and_restores_them():
         # The throughput ceiling's run: exactly the tokens asked for, the same on every rank
         # (the vocab-parallel logits are gathered, so every rank samples the same token).
         assert result["many"] == [6, 6] and result["ranks_agree"]
+        assert result["eod_generated"]  # the case a stop at end-of-document would cut short

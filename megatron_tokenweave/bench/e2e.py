@@ -153,9 +153,9 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
             shape, args.layers, world, tw_config, te, max_seq, **overrides), strict=True))
     prompts = _workload(args, buckets=not use_dynamic)
     prompt_tokens = sum(len(p) for p in prompts)
-    # termination_id=-1: no request stops early, whatever its (for the ceiling: unreduced)
-    # logits choose, so every model generates the same tokens count on every rank.
-    sampling = greedy(args.output_tokens, termination_id=-1)
+    # No request stops early, whatever its (for the ceiling: unreduced) logits choose, so every
+    # model generates the same number of tokens on every rank.
+    sampling = greedy(args.output_tokens, stop_at_eod=False)
     runs: dict[str, tuple[Callable[[], int], Callable]] = {}
     for name, model in models.items():
         if use_dynamic:

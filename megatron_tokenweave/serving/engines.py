@@ -13,9 +13,16 @@ import torch
 from megatron.core.inference.sampling_params import SamplingParams
 
 
-def greedy(num_tokens: int, **kwargs: Any) -> SamplingParams:
-    """Greedy decoding (top-1) of `num_tokens` tokens."""
-    return SamplingParams(top_k=1, num_tokens_to_generate=num_tokens, **kwargs)
+def greedy(num_tokens: int, stop_at_eod: bool = True, **kwargs: Any) -> SamplingParams:
+    """Greedy decoding (top-1) of `num_tokens` tokens. stop_at_eod=False: exactly `num_tokens`
+    (benchmarks: every model does the same work), which the dynamic engine reads from
+    termination_id=-1 and the static one from a `no_early_termination` attribute."""
+    if not stop_at_eod:
+        kwargs["termination_id"] = -1
+    params = SamplingParams(top_k=1, num_tokens_to_generate=num_tokens, **kwargs)
+    if not stop_at_eod:
+        params.no_early_termination = True
+    return params
 
 
 def static_engine(model: torch.nn.Module, tokenizer: Any, max_batch_size: int,
