@@ -17,7 +17,7 @@ from megatron_tokenweave.ops.validate import (
     Phase,
     TokenWeaveInputError,
     check_fused_args,
-    phases_apply,
+    check_phase,
 )
 
 MIN_CTAS, MAX_CTAS = 1, 128
@@ -88,16 +88,9 @@ def _partial_outside(partial: torch.Tensor, buffer: SymmetricBuffer,
 
 def _check_phase(phase: Phase, mirror: CopyEngineMirror | None, layout: Layout,
                  weight: torch.Tensor | None) -> None:
-    if phase not in PHASES:
-        raise TokenWeaveInputError(f"phase must be one of {PHASES}, got {phase!r}")
-    if phase == "whole":
-        return
-    if mirror is None:
+    check_phase(phase, layout, weight)
+    if phase != "whole" and mirror is None:
         raise TokenWeaveInputError(f"phase {phase!r} needs the copy-engine data path (a mirror)")
-    if not phases_apply(layout, weight):
-        raise TokenWeaveInputError(
-            "the copy-engine op runs in phases only when it gathers no normed rows (replicated "
-            "layout, or no norm); sequence parallel with a norm takes phase='whole'")
 
 
 def _check_mirror(mirror: CopyEngineMirror, buffer: SymmetricBuffer, partial: torch.Tensor,

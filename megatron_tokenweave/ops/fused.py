@@ -9,15 +9,7 @@ import torch.distributed as dist
 
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
-from megatron_tokenweave.ops.validate import (
-    PHASES,
-    Comm,
-    Layout,
-    Phase,
-    TokenWeaveInputError,
-    check_fused_args,
-    phases_apply,
-)
+from megatron_tokenweave.ops.validate import Comm, Layout, Phase, check_fused_args, check_phase
 
 if TYPE_CHECKING:
     from megatron_tokenweave.workspace import Workspace
@@ -58,13 +50,7 @@ def fused_allreduce_rmsnorm(
         rmsnorm; only where `phases_apply`). Mechanisms without such phases run the whole op at
         "reduce", when its results are due, and nothing at "transfer".
     """
-    # Checked on every backend, so a schedule that phases an op wrongly fails on CPU too.
-    if phase not in PHASES:
-        raise TokenWeaveInputError(f"phase must be one of {PHASES}, got {phase!r}")
-    if phase != "whole" and not phases_apply(layout, weight):
-        raise TokenWeaveInputError(
-            "the op runs in phases only when it gathers no normed rows (replicated layout, or "
-            "no norm)")
+    check_phase(phase, layout, weight)  # on every backend: a wrong phasing fails on CPU too
     if phase == "transfer" and not (comm == "copy_engine" and workspace.backend == "kernel"):
         return
     if comm == "collectives":

@@ -31,6 +31,17 @@ def phases_apply(layout: Layout, weight: torch.Tensor | None) -> bool:
     return layout is Layout.REPLICATED or weight is None
 
 
+def check_phase(phase: str, layout: Layout, weight: torch.Tensor | None) -> None:
+    """Raise TokenWeaveInputError for a phase the op cannot take (checked on every call: a wrong
+    phase would run an op twice or skip its gather, not fail)."""
+    if phase not in PHASES:
+        raise TokenWeaveInputError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase != "whole" and not phases_apply(layout, weight):
+        raise TokenWeaveInputError(
+            "the op runs in phases only when it gathers no normed rows (replicated layout, or "
+            "no norm); sequence parallel with a norm takes phase='whole'")
+
+
 class TokenWeaveInputError(ValueError):
     """Raised for arguments the fused op cannot take; the message says which and why."""
 

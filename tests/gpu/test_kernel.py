@@ -13,6 +13,7 @@ All cases of a test run inside one spawned job (one extension load, one process 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -113,13 +114,9 @@ def _call(kernels, args: tuple, buf, ctas: int, mirror, phased: bool, validate: 
                                     phase="reduce")
 
 
-_SIDE: list = []
-
-
+@functools.cache
 def _side_stream() -> torch.cuda.Stream:
-    if not _SIDE:
-        _SIDE.append(torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1]))
-    return _SIDE[0]
+    return torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
 
 
 def _worker_two_gpus(rank: int, world: int, port: int) -> None:
