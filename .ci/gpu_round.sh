@@ -35,6 +35,8 @@
 #          stream)
 #   tune_rep   tables for the 70B shapes, replicated layout only (what the engines run)
 #   tune_rep4  its CUDA-graph table from 4-layer blocks (three cross-layer hand-offs, not one)
+#   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
+#          32 and 256 generated tokens per prompt (flash-attn-4 staged)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -107,6 +109,11 @@ case "$phase" in
   e2e_graphs)
     TAIL=12 step e2e_graphs 330 python -m megatron_tokenweave.bench e2e --engine dynamic \
       --cuda-graphs 16 --metrics throughput --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
+    ;;
+  tput)
+    TAIL=12 step e2e_tput 560 python -m megatron_tokenweave.bench e2e --engine dynamic \
+      --metrics throughput --output-tokens 32 256 --throughput-reps 3 \
+      --out "$out/e2e_tp2_tput.json"
     ;;
   moe_tests)
     TAIL=10 step moe_tests 420 python -m pytest -v -s tests/gpu/test_layer_gpu.py \

@@ -11,8 +11,9 @@ interleaving the two models:
                 with its tensor-parallel all-reduces made no-ops (bench/nocomm.py): the ceiling
                 of any communication overlap
   tokens_per_s  --prompts prompts of mixed lengths (--mixed-min..--mixed-max tokens, log-uniform)
-                with exactly --output-tokens greedy tokens each (no early stop: every model does
-                the same work): (prompt + generated tokens) / wall time.
+                with exactly N greedy tokens each, one workload per --output-tokens value N (no
+                early stop: every model does the same work): (prompt + generated tokens) / wall
+                time, the models interleaved pass by pass.
                 Through the dynamic engine (MegatronLLM, chunked prefill of --chunk tokens) where
                 it can run (serving.engines.dynamic_engine_problem), else the static engine
                 (lengths rounded to powers of sqrt(2) and batches of equal-length prompts, so a
@@ -107,7 +108,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     shape = SHAPES[args.model]
     te = te_available() and not args.local
     stock_name = "te" if te else "local"
-    max_seq = max(max(args.prefill_tokens), args.mixed_max + args.output_tokens) + 8
+    max_seq = max(max(args.prefill_tokens), args.mixed_max + max(args.output_tokens)) + 8
     tw_config = TokenWeaveConfig(max_tokens=max(
         max(args.prefill_tokens), args.max_batch * args.mixed_max, args.chunk))
     models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(
@@ -153,10 +154,7 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
             shape, args.layers, world, tw_config, te, max_seq, **overrides), strict=True))
     prompts = _workload(args, buckets=not use_dynamic)
     prompt_tokens = sum(len(p) for p in prompts)
-    # No request stops early, whatever its (for the ceiling: unreduced) logits choose, so every
-    # model generates the same number of tokens on every rank.
-    sampling = greedy(args.output_tokens, stop_at_eod=False)
-    runs: dict[str, tuple[Callable[[], int], Callable]] = {}
+    runs: dict[str, tuple[Callable[[object], int], Callable]] = {}
     for name, model in models.items():
         if use_dynamic:
             llm = dynamic_llm(model, tokenizer, max_seq, max_requests=args.max_batch,
@@ -164,7 +162,7 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
                               cuda_graphs=args.cuda_graphs)
             token_lists = [list(p.encode()) for p in prompts]
 
-            def run(llm=llm, token_lists=token_lists) -> int:
+            def run(sampling, llm=llm, token_lists=token_lists) -> int:
                 done = llm.generate(token_lists, sampling)
                 return sum(len(r.generated_tokens) for r in done)
         else:
@@ -173,7 +171,7 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
                 by_length.setdefault(len(p), []).append(p)
             engine = static_engine(model, tokenizer, args.max_batch, max_seq)
 
-            def run(engine=engine, by_length=by_length) -> int:
+            def run(sampling, engine=engine, by_length=by_length) -> int:
                 generated = 0
                 for same in by_length.values():
                     for i in range(0, len(same), args.max_batch):
@@ -184,28 +182,41 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
         runs[name] = (run, contextlib.nullcontext)
     if not (use_dynamic and args.cuda_graphs):
         runs[f"{stock_name}_nocomm"] = (runs[stock_name][0], no_tp_comm)
-    for run, ctx in runs.values():  # warm-up
+    for output_tokens in args.output_tokens:
+        # No request stops early, whatever its (for the ceiling: unreduced) logits choose, so
+        # every model generates the same number of tokens on every rank.
+        sampling = greedy(output_tokens, stop_at_eod=False)
+        samples, generated = _interleaved_throughput(runs, sampling, prompt_tokens,
+                                                     args.throughput_reps)
+        for name, values in samples.items():
+            rows.append(dict(metric="tokens_per_s", impl=name, prompt_tokens=prompt_tokens,
+                             value=round(statistics.median(values), 1),
+                             engine="dynamic" if use_dynamic else "static",
+                             prompts=len(prompts), output_tokens=output_tokens,
+                             cuda_graphs=args.cuda_graphs if use_dynamic else 0,
+                             cuda_graph_scope=scope, generated_tokens=generated[name]))
+        say(f"throughput ({output_tokens} output tokens): " + "  ".join(
+            f"{n}={statistics.median(v):.0f} tok/s" for n, v in samples.items()), flush=True)
+    return rows
+
+
+def _interleaved_throughput(runs: dict, sampling, prompt_tokens: int,
+                            reps: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """(prompt + generated tokens) / second of each run, one warm-up pass each, then `reps`
+    rounds that run every model once in turn (drift hits them alike); and what each generated."""
+    for run, ctx in runs.values():
         with ctx():
-            _wall(run)
-    samples = {name: [] for name in runs}
+            _wall(lambda run=run: run(sampling))
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     generated: dict[str, int] = {}
-    for _ in range(args.throughput_reps):
+    for _ in range(reps):
         for name, (run, ctx) in runs.items():
             count = [0]
             with ctx():
-                seconds = _wall(lambda run=run, count=count: count.__setitem__(0, run()))
+                seconds = _wall(lambda run=run, count=count: count.__setitem__(0, run(sampling)))
             generated[name] = count[0]
             samples[name].append((prompt_tokens + count[0]) / seconds)
-    for name, values in samples.items():
-        rows.append(dict(metric="tokens_per_s", impl=name, prompt_tokens=prompt_tokens,
-                         value=round(statistics.median(values), 1),
-                         engine="dynamic" if use_dynamic else "static", prompts=len(prompts),
-                         cuda_graphs=args.cuda_graphs if use_dynamic else 0,
-                         cuda_graph_scope=scope,
-                         generated_tokens=generated[name]))
-    say("throughput: " + "  ".join(f"{n}={statistics.median(v):.0f} tok/s"
-                                   for n, v in samples.items()), flush=True)
-    return rows
+    return samples, generated
 
 
 def _plot(result: dict, path: str) -> None:
@@ -218,41 +229,47 @@ def _plot(result: dict, path: str) -> None:
     stock = next(r["impl"] for r in rows if r["impl"] in ("te", "local"))
     pre = {(r["impl"], r["prompt_tokens"]): r["value"] for r in rows
            if r["metric"] == "prefill_ms"}
-    tput = {r["impl"]: r for r in rows if r["metric"] == "tokens_per_s"}
+    tput = {(r["impl"], r.get("output_tokens", 0)): r for r in rows
+            if r["metric"] == "tokens_per_s"}
     panels = int(bool(pre)) + int(bool(tput))
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     axes = list(axes[0])
     if pre:
-        _plot_prefill(axes.pop(0), pre, stock)
+        ax = axes.pop(0)
+        _plot_speedups(ax, {k: 1.0 / v for k, v in pre.items()}, stock, "prompt tokens")
+        ax.set_title(f"prefill latency, batch 1: speed-up over {stock}")
     if tput:
         ax = axes.pop(0)
-        ax.bar(list(tput), [tput[i]["value"] for i in tput])
+        _plot_speedups(ax, {k: r["value"] for k, r in tput.items()}, stock,
+                       "generated tokens per prompt")
         first = next(iter(tput.values()))
         graphs = f", {first['cuda_graphs']} graphs" if first.get("cuda_graphs") else ""
-        ax.set_title(f"throughput, {first['prompts']} prompts\n({first['engine']} engine{graphs})")
-        ax.set_ylabel("tokens / s")
+        ax.set_title(f"throughput, {first['prompts']} prompts: speed-up over {stock}\n"
+                     f"({first['engine']} engine{graphs})")
     fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def _plot_prefill(ax, pre: dict, stock: str) -> None:
-    """Bars of stock / impl prefill latency per prompt length (tokenweave, the ceiling)."""
-    lengths = sorted({t for _, t in pre})
-    impls = [i for i in ("tokenweave", f"{stock}_nocomm") if any(k[0] == i for k in pre)]
+def _plot_speedups(ax, speed: dict, stock: str, xlabel: str) -> None:
+    """Bars of impl speed / stock speed per workload (tokenweave, the ceiling); `speed` maps
+    (impl, workload) to a higher-is-better figure."""
+    workloads = sorted({w for _, w in speed})
+    impls = [i for i in ("tokenweave", f"{stock}_nocomm") if any(k[0] == i for k in speed)]
     width = 0.8 / max(len(impls), 1)
     for k, impl in enumerate(impls):
-        ax.bar([x + k * width for x in range(len(lengths))],
-               [pre[(stock, t)] / pre[(impl, t)] for t in lengths], width, label=impl)
-    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(lengths))],
-                  [str(t) for t in lengths])
-    ax.set_title(f"prefill latency, batch 1: speed-up over {stock}")
-    ax.set_xlabel("prompt tokens")
+        bars = ax.bar([x + k * width for x in range(len(workloads))],
+                      [speed[(impl, w)] / speed[(stock, w)] for w in workloads], width,
+                      label=impl)
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(workloads))],
+                  [str(w) for w in workloads])
+    ax.set_xlabel(xlabel)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.legend(loc="lower right")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="TokenWeave end-to-end inference benchmark")
     parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=4)
@@ -263,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--mixed-min", type=int, default=128)
     parser.add_argument("--mixed-max", type=int, default=4096)
-    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", nargs="+", type=int, default=[32],
+                        help="throughput: one workload per value (generated tokens per prompt)")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--kv-gb", type=float, default=16.0)
@@ -275,7 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics", nargs="+", choices=["prefill", "throughput"],
                         default=["prefill", "throughput"])
     parser.add_argument("--out", default="docs/results/e2e_tp2.json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the end-to-end benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]
