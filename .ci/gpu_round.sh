@@ -35,6 +35,8 @@
 #          stream)
 #   tune_rep   tables for the 70B shapes, replicated layout only (what the engines run)
 #   tune_rep4  its CUDA-graph table from 4-layer blocks (three cross-layer hand-offs, not one)
+#   one_gpu  what one GPU can check: the kernel protocol with two processes on it (every data
+#          path), and the token split's GEMM cost (bench split_cost)
 #   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
 #          32 and 256 generated tokens per prompt (flash-attn-4 staged)
 set -u
@@ -109,6 +111,11 @@ case "$phase" in
   e2e_graphs)
     TAIL=12 step e2e_graphs 330 python -m megatron_tokenweave.bench e2e --engine dynamic \
       --cuda-graphs 16 --metrics throughput --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
+    ;;
+  one_gpu)
+    TAIL=12 step kernel_one_gpu 300 python -m pytest -v -s tests/gpu/test_kernel.py
+    TAIL=8 step split_cost 200 python -m megatron_tokenweave.bench split_cost \
+      --out "$out/split_cost.json"
     ;;
   tput)
     TAIL=12 step e2e_tput 560 python -m megatron_tokenweave.bench e2e --engine dynamic \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-NAMES = ("kernel", "block", "timeline", "e2e")
+NAMES = ("kernel", "block", "timeline", "e2e", "split_cost")
 
 
 def main() -> None:

@@ -7,7 +7,8 @@
   two phased ops in flight, with a peer poisoning its partial before the other rank reduces;
   a peer that never arrives -> check_error raises.
 * test_kernel_protocol_one_gpu: 2 processes sharing one GPU (gloo + CUDA IPC): the inter-rank
-  protocol on a few cases against a locally computed expectation, and the timeout path.
+  protocol on every data path (the phased copy-engine op included), bf16 and fp16, against a
+  locally computed expectation, and the timeout path.
 All cases of a test run inside one spawned job (one extension load, one process group).
 """
 
@@ -336,45 +337,62 @@ def _timeout_check(group, rank, dev) -> None:
         buf.close()
 
 
+# The one-GPU check's data paths: the default choice (one-shot for small replicated calls, else
+# the bulk-copy pipeline), the barrier bulk path, the register path, the copy-engine op whole and
+# as a transfer + a reduction (where phases apply; else whole).
+PATHS_ONE_GPU = ("default", "bulk", "registers", "copy_engine", "phased")
+
+
 def _worker_one_gpu(rank: int, world: int, port: int) -> None:
-    """Two processes on GPU 0 (gloo + CUDA IPC): protocol check against local expectations."""
+    """Two processes on GPU 0 (gloo + CUDA IPC): protocol check against local expectations, on
+    every data path (bulk copies, registers, copy engines whole and as a transfer + reduction)
+    in bf16 and fp16 (PATHS_ONE_GPU)."""
     from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.reference import rms_norm_fp32
-    from megatron_tokenweave.ops.validate import Layout
+    from megatron_tokenweave.ops.validate import Layout, phases_apply
 
     group = _init(rank, world, port, "gloo", 0)
     dev = torch.device("cuda", 0)
     buf = kernels.SymmetricBuffer(group, 64 << 20, dev)
     mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
     seed = 500
+    nphased = 0
     for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
         for tokens, hidden in ((1, 4096), (3, 5120), (127, 8192), (1000, 4096)):
             for weight_on in (True, False):
-                seed += 1
-                sp = layout is Layout.SEQUENCE_PARALLEL
-                n = _rows(tokens, world, sp)
-                dtype = torch.bfloat16
-                part, res_in, w, res_out, normed, residual = _case_tensors(
-                    buf, layout, n, hidden, dtype, world, rank, seed, weight_on, False)
-                # Expected, from every rank's deterministic inputs.
-                chunks = world if sp else 1
-                parts = [_gen(seed * 16 + p, (chunks, n, hidden), dtype, dev).float()
-                         for p in range(world)]
-                mine = rank if sp else 0
-                y_all = [sum(pp[c] for pp in parts) for c in range(chunks)]
-                res_all = [_gen(seed * 16 + 8 + (c if sp else 0), (n, hidden), dtype, dev).float()
-                           for c in range(chunks)]
-                y = y_all[mine] + res_all[mine]
-                ce = (seed // 2) % 2 == 1  # every shape with and without a weight on each path
-                kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout,
-                                                buf, ctas=4, mirror=mirror if ce else None)
-                what = (f"1-GPU rank {rank} {layout.value} tokens={tokens} H={hidden} "
-                        f"w={weight_on} copy_engine={ce}")
-                torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
-                if weight_on:
-                    for c in range(chunks):
-                        exp = rms_norm_fp32(y_all[c] + res_all[c], w, EPS).to(dtype)
-                        torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
+                for path in PATHS_ONE_GPU:
+                    seed += 1
+                    dtype = (torch.bfloat16, torch.float16)[(seed // len(PATHS_ONE_GPU)) % 2]
+                    sp = layout is Layout.SEQUENCE_PARALLEL
+                    n = _rows(tokens, world, sp)
+                    part, res_in, w, res_out, normed, residual = _case_tensors(
+                        buf, layout, n, hidden, dtype, world, rank, seed, weight_on, False)
+                    # Expected, from every rank's deterministic inputs.
+                    chunks = world if sp else 1
+                    parts = [_gen(seed * 16 + p, (chunks, n, hidden), dtype, dev).float()
+                             for p in range(world)]
+                    mine = rank if sp else 0
+                    y_all = [sum(pp[c] for pp in parts) for c in range(chunks)]
+                    res_all = [_gen(seed * 16 + 8 + (c if sp else 0), (n, hidden), dtype,
+                                    dev).float() for c in range(chunks)]
+                    y = y_all[mine] + res_all[mine]
+                    ce = path in ("copy_engine", "phased")
+                    phased = path == "phased" and phases_apply(layout, w)
+                    os.environ["TOKENWEAVE_NO_BULK"] = "1" if path == "registers" else "0"
+                    os.environ["TOKENWEAVE_NO_ONESHOT"] = "0" if path == "default" else "1"
+                    _call(kernels, (part, res_in, w, EPS, res_out, normed, layout), buf, 4,
+                          mirror if ce else None, phased)
+                    os.environ.pop("TOKENWEAVE_NO_BULK")
+                    os.environ.pop("TOKENWEAVE_NO_ONESHOT")
+                    what = (f"1-GPU rank {rank} {dtype} {layout.value} tokens={tokens} "
+                            f"H={hidden} w={weight_on} path={path} phased={phased}")
+                    torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
+                    if weight_on:
+                        for c in range(chunks):
+                            exp = rms_norm_fp32(y_all[c] + res_all[c], w, EPS).to(dtype)
+                            torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
+                    nphased += phased
+    assert nphased >= 8, nphased
     for _ in range(50):
         kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout, buf, ctas=4)
     buf.check_error()

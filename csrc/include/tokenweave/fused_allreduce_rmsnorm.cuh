@@ -26,6 +26,7 @@
 
 #include "tokenweave/bulk_copy.cuh"
 #include "tokenweave/common.cuh"
+#include "tokenweave/rmsnorm_row.cuh"
 #include "tokenweave/signal.cuh"
 
 namespace tokenweave {
@@ -59,6 +60,23 @@ __device__ __forceinline__ bool stores_to_peers(const FusedParams& p) {
   return !p.copy_engine && !p.debug_local_stores;
 }
 
+// Where a normed vector at byte offset roff of the chunk goes: sequence parallel, this rank's
+// chunk of every peer's normed_out (data[q]: rank q's data region; posted remote stores), or of
+// the local one only (stores_to_peers false); replicated, the local normed_out.
+template <int kNp>
+__device__ __forceinline__ void store_normed(const FusedParams& p, char* const (&data)[kNp],
+                                             int chunk, int64_t roff, const Vec16& out) {
+  if (p.sequence_parallel) {
+    const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
+#pragma unroll
+    for (int q = 0; q < kNp; ++q)
+      if (q < p.world && (q == p.rank || stores_to_peers(p)))
+        *reinterpret_cast<Vec16*>(data[q] + dst) = out;
+  } else {
+    *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
+  }
+}
+
 // Rows per CTA iteration: keep kRows*kVpt*kNp vector loads (4 regs each) and kRows*kVpt*8 fp32
 // values of y (kRows*kVpt <= 4) within the register budget of 512 threads/CTA.
 template <int kNp, int kVpt>
@@ -81,10 +99,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int tid = threadIdx.x;
   const int world = p.world;
   const int64_t* pad_bases = p.bases + p.world;
-  const char* data[kNp];
+  char* data[kNp];
 #pragma unroll
-  for (int q = 0; q < kNp; ++q)
-    data[q] = q < world ? reinterpret_cast<const char*>(p.bases[q]) : nullptr;
+  for (int q = 0; q < kNp; ++q) data[q] = q < world ? reinterpret_cast<char*>(p.bases[q]) : nullptr;
 
   if (tid == 0) {
     s_fail = 0;
@@ -97,11 +114,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int hv = p.hidden / kVecElems;  // vectors per row
   const bool norm = p.weight != nullptr;
   Vec16 w[kVpt];
-#pragma unroll
-  for (int v = 0; v < kVpt; ++v) {
-    const int col = tid + v * blockDim.x;
-    if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
-  }
+  load_weight(p.weight, hv, w);
 
   if (!p.copy_engine &&
       !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
@@ -110,7 +123,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const int64_t src_off = p.partial_off + chunk * p.partial_cstride;
-  const int nwarps = blockDim.x / 32;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
   int parity = 0;
 
@@ -148,49 +160,25 @@ __global__ void __launch_bounds__(kMaxThreads)
           add_vec<T>(y[r][v], res[r][v]);
           reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + (row0 + r) * row_bytes)
               [col] = pack_vec<T>(y[r][v]);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) ss[r] += y[r][v][k] * y[r][v][k];
+          add_squares(ss[r], y[r][v]);
         }
       }
     }
     if (!norm) continue;
     // Block reduction of the kRows sums of squares.
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
-      if ((tid & 31) == 0) s_red[parity][r][tid >> 5] = ss[r];
-    }
+    for (int r = 0; r < kRows; ++r) publish_warp_sum(ss[r], s_red[parity][r]);
     __syncthreads();  // s_red[parity] is rewritten two iterations later, after another sync
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float t = 0.f;
-      for (int k = 0; k < nwarps; ++k) t += s_red[parity][r][k];
-      ss[r] = rsqrtf(t * inv_h + p.eps);
-    }
+    for (int r = 0; r < kRows; ++r) ss[r] = block_rstd(s_red[parity][r], inv_h, p.eps);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int v = 0; v < kVpt; ++v) {
         const int col = tid + v * blockDim.x;
-        if (row0 + r < p.rows && col < hv) {
-          float wf[8];
-          set_vec<T>(wf, w[v]);
-          float o[8];
-#pragma unroll
-          for (int k = 0; k < 8; ++k) o[k] = y[r][v][k] * ss[r] * wf[k];
-          const Vec16 out = pack_vec<T>(o);
-          const int64_t roff = (row0 + r) * row_bytes + col * kVecBytes;
-          if (p.sequence_parallel) {
-            const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
-#pragma unroll
-            for (int q = 0; q < kNp; ++q)
-              if (q < world && (q == p.rank || stores_to_peers(p)))
-                *reinterpret_cast<Vec16*>(const_cast<char*>(data[q]) + dst) = out;
-          } else {
-            *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
-          }
-        }
+        if (row0 + r < p.rows && col < hv)
+          store_normed(p, data, chunk, (row0 + r) * row_bytes + col * kVecBytes,
+                       normalize_vec<T>(y[r][v], ss[r], w[v]));
       }
     }
   }
@@ -233,11 +221,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int hv = p.hidden / kVecElems;  // vectors per row
   const bool norm = p.weight != nullptr;
   Vec16 w[kVpt];
-#pragma unroll
-  for (int v = 0; v < kVpt; ++v) {
-    const int col = tid + v * blockDim.x;
-    if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
-  }
+  load_weight(p.weight, hv, w);
 
   if (!p.copy_engine &&
       !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
@@ -247,7 +231,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const uint32_t stage_bytes = static_cast<uint32_t>((world + 1) * row_bytes);
   const int64_t src_off = p.partial_off + chunk * p.partial_cstride;
-  const int nwarps = blockDim.x / 32;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
 
   // Thread 0: fetch the P partial rows of `row` (peers' over NVLink) and its residual row into
@@ -291,13 +274,10 @@ __global__ void __launch_bounds__(kMaxThreads)
         add_vec<T>(y[v], reinterpret_cast<const Vec16*>(st + world * row_bytes)[col]);
         reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
             pack_vec<T>(y[v]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) ss += y[v][k] * y[v][k];
+        add_squares(ss, y[v]);
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((tid & 31) == 0) s_red[parity][tid >> 5] = ss;
+    publish_warp_sum(ss, s_red[parity]);
     // After this sync every thread is done reading stage s (and s_red[parity] is complete;
     // it is rewritten two iterations later, after another sync).
     __syncthreads();
@@ -313,30 +293,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       phase ^= 1;
     }
     if (!norm) continue;
-    float t = 0.f;
-    for (int k = 0; k < nwarps; ++k) t += s_red[parity][k];
-    const float rs = rsqrtf(t * inv_h + p.eps);
+    const float rs = block_rstd(s_red[parity], inv_h, p.eps);
 #pragma unroll
     for (int v = 0; v < kVpt; ++v) {
       const int col = tid + v * blockDim.x;
-      if (col < hv) {
-        float wf[8];
-        set_vec<T>(wf, w[v]);
-        float o[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) o[k] = y[v][k] * rs * wf[k];
-        const Vec16 out = pack_vec<T>(o);
-        const int64_t roff = row * row_bytes + col * kVecBytes;
-        if (p.sequence_parallel) {
-          const int64_t dst = p.normed_off + chunk * p.normed_cstride + roff;
-#pragma unroll
-          for (int q = 0; q < kNp; ++q)
-            if (q < world && (q == p.rank || stores_to_peers(p)))
-              *reinterpret_cast<Vec16*>(data[q] + dst) = out;
-        } else {
-          *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
-        }
-      }
+      if (col < hv)
+        store_normed(p, data, chunk, row * row_bytes + col * kVecBytes,
+                     normalize_vec<T>(y[v], rs, w[v]));
     }
   }
 

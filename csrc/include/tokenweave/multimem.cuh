@@ -10,6 +10,7 @@
 #pragma once
 
 #include "tokenweave/common.cuh"
+#include "tokenweave/rmsnorm_row.cuh"
 #include "tokenweave/signal.cuh"
 
 namespace tokenweave {
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const bool norm = p.weight != nullptr;
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const int nwarps = blockDim.x / 32;
+  const float inv_h = 1.0f / static_cast<float>(p.hidden);
   int parity = 0;
   for (int row = b; row < p.rows; row += gridDim.x, parity ^= 1) {
     float y[kVpt][8];
@@ -93,32 +94,25 @@ __global__ void __launch_bounds__(kMaxThreads)
                                                         row * row_bytes)[col]);
         reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
             pack_vec<T>(y[v]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) ss += y[v][k] * y[v][k];
+        add_squares(ss, y[v]);
       }
     }
     if (!norm) continue;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((tid & 31) == 0) s_red[parity][tid >> 5] = ss;
+    publish_warp_sum(ss, s_red[parity]);
     __syncthreads();
-    float t = 0.f;
-    for (int k = 0; k < nwarps; ++k) t += s_red[parity][k];
-    const float rstd = rsqrtf(t / static_cast<float>(p.hidden) + p.eps);
+    const float rstd = block_rstd(s_red[parity], inv_h, p.eps);
 #pragma unroll
     for (int v = 0; v < kVpt; ++v) {
       const int col = tid + v * blockDim.x;
       if (col < hv) {
-        float wf[8], o[8];
-        set_vec<T>(wf, reinterpret_cast<const Vec16*>(p.weight)[col]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) o[k] = y[v][k] * rstd * wf[k];
+        // The weight is read here, not held in registers: kVpt up to 8 (hidden 32768).
+        const Vec16 out =
+            normalize_vec<T>(y[v], rstd, reinterpret_cast<const Vec16*>(p.weight)[col]);
         const int64_t roff = row * row_bytes + col * kVecBytes;
         if (p.sequence_parallel) {
-          Multimem<T>::st(mc_base + p.normed_off + chunk * p.normed_cstride + roff,
-                          pack_vec<T>(o));
+          Multimem<T>::st(mc_base + p.normed_off + chunk * p.normed_cstride + roff, out);
         } else {
-          *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = pack_vec<T>(o);
+          *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
         }
       }
     }

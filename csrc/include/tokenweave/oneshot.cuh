@@ -35,6 +35,7 @@
 
 #include "tokenweave/common.cuh"
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
+#include "tokenweave/rmsnorm_row.cuh"
 #include "tokenweave/signal.cuh"
 
 namespace tokenweave {
@@ -116,13 +117,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   const bool norm = p.weight != nullptr;
   Vec16 w[kVpt];
-#pragma unroll
-  for (int v = 0; v < kVpt; ++v) {
-    const int col = tid + v * blockDim.x;
-    if (norm && col < hv) w[v] = reinterpret_cast<const Vec16*>(p.weight)[col];
-  }
+  load_weight(p.weight, hv, w);
   const char* inbox = reinterpret_cast<const char*>(pad_bases[p.rank]) + slot0;
-  const int nwarps = blockDim.x / 32;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
   const uint64_t t0 = global_timer_ns();
   int parity = 0;
@@ -171,30 +167,20 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (!failed)
         reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
             pack_vec<T>(y[v]);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) ss += y[v][k] * y[v][k];
+      add_squares(ss, y[v]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((tid & 31) == 0) s_red[parity][tid >> 5] = ss;
+    publish_warp_sum(ss, s_red[parity]);
     // One answer for every thread (a per-thread flag, not shared memory a faster thread could
     // set while others still read it); s_red[parity] is rewritten after another barrier.
     if (__syncthreads_or(failed)) return;
     if (!norm) continue;
-    float t = 0.f;
-    for (int k = 0; k < nwarps; ++k) t += s_red[parity][k];
-    const float scale = rsqrtf(t * inv_h + p.eps);
+    const float rs = block_rstd(s_red[parity], inv_h, p.eps);
 #pragma unroll
     for (int v = 0; v < kVpt; ++v) {
       const int col = tid + v * blockDim.x;
-      if (col >= hv) continue;
-      float wf[8];
-      set_vec<T>(wf, w[v]);
-      float o[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = y[v][k] * scale * wf[k];
-      reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] =
-          pack_vec<T>(o);
+      if (col < hv)
+        reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] =
+            normalize_vec<T>(y[v], rs, w[v]);
     }
   }
 
