@@ -61,7 +61,8 @@ setup(
     packages=find_packages(include=["megatron_tokenweave", "megatron_tokenweave.*"]),
     package_data={"megatron_tokenweave": ["tables/*.json"]},
     install_requires=["torch>=2.6", "megatron-core>=0.16", "numpy", "packaging"],
-    extras_require={"te": ["transformer-engine[pytorch]>=2.0"], "test": ["pytest"]},
+    extras_require={"te": ["transformer-engine[pytorch]>=2.0"], "test": ["pytest"],
+                    "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
