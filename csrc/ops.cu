@@ -1,7 +1,7 @@
 // torch.library bindings of the fused all-reduce + residual add + RMSNorm kernels.
 // Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; the CUDA
 // implementations are registered with TORCH_LIBRARY_IMPL; fake implementations live in Python
-// (megatron_tokenweave/kernels/_ops.py). The Python wrapper validates first and raises
+// (megatron_tokenweave/kernels/_ext.py). The Python wrapper validates first and raises
 // TokenWeaveInputError; the TORCH_CHECKs below are the last line of defence. No host sync, no
 // allocation: the ops only enqueue kernels (one; the copy-engine op: barrier kernels, copies and
 // one kernel) on the current stream (CUDA-graph capturable).
@@ -40,10 +40,10 @@ LaunchShape launch_shape(int64_t hidden) {
 
 int np_bucket(int64_t world) { return world <= 2 ? 2 : (world <= 4 ? 4 : 8); }
 
-int rows_per_iter(int np, int vpt) {
-  int a = 16 / (np * vpt), b = 4 / vpt;
-  int m = a < b ? a : b;
-  return m < 1 ? 1 : (m > 4 ? 4 : m);
+// The kernels move 16-byte vectors (and bulk copies of whole rows) from and to every tensor.
+void check_aligned(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kVecBytes == 0, "tokenweave: ", name,
+              " is not 16-byte aligned");
 }
 
 void check_in_buffer(const at::Tensor& t, const char* name, int64_t local_base,
@@ -79,10 +79,11 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
   TORCH_CHECK(rows < (int64_t{1} << 31) / 4, "tokenweave: too many rows");
   const int64_t es = partial.element_size();
   for (const at::Tensor* t : {&residual, static_cast<const at::Tensor*>(&residual_out)}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == dt && t->is_contiguous() &&
-                    t->numel() == rows * hidden,
+    TORCH_CHECK(t->device() == partial.device() && t->scalar_type() == dt &&
+                    t->is_contiguous() && t->numel() == rows * hidden,
                 "tokenweave: residual/residual_out must be contiguous [rows, hidden] of partial's "
-                "dtype");
+                "dtype on its device");
+    check_aligned(*t, "residual/residual_out");
   }
   check_in_buffer(partial, "partial", local_base, buffer_bytes, chunks * rows * hidden * es);
 
@@ -105,9 +106,13 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
     TORCH_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
     const at::Tensor& w = *weight;
     const at::Tensor& no = *normed_out;
-    TORCH_CHECK(w.is_cuda() && w.scalar_type() == dt && w.is_contiguous() && w.numel() == hidden,
-                "tokenweave: weight must be a contiguous [hidden] tensor of partial's dtype");
-    TORCH_CHECK(no.is_cuda() && no.scalar_type() == dt && no.dim() == 3 &&
+    TORCH_CHECK(w.device() == partial.device() && w.scalar_type() == dt && w.is_contiguous() &&
+                    w.numel() == hidden,
+                "tokenweave: weight must be a contiguous [hidden] tensor of partial's dtype on "
+                "its device");
+    check_aligned(w, "weight");
+    check_aligned(no, "normed_out");
+    TORCH_CHECK(no.device() == partial.device() && no.scalar_type() == dt && no.dim() == 3 &&
                     no.size(0) == chunks && no.size(1) == rows && no.size(2) == hidden &&
                     no.stride(2) == 1 && (rows <= 1 || no.stride(1) == hidden),
                 "tokenweave: normed_out must be [chunks, rows, hidden] with dense rows");

@@ -7,11 +7,23 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_tokenweave.ops.validate import COMMS, Comm
+from megatron_tokenweave.ops.validate import COMMS, MAX_CTAS, Comm
 
 Backend = Literal["auto", "kernel", "reference"]
 _BACKENDS = ("auto", "kernel", "reference")
 ENV_PREFIX = "TOKENWEAVE_"
+# (field, lowest, highest or None): the integer fields and their valid ranges. CTA counts stop
+# at the kernel's limit (its signal pad has one barrier slot per CTA index).
+_INT_RANGES = (
+    ("split_threshold", 0, None),
+    ("split_align", 1, None),
+    ("split_offset", None, None),
+    ("comm_ctas_attn", 1, MAX_CTAS),
+    ("comm_ctas_mlp", 1, MAX_CTAS),
+    ("comm_ctas_alone", 1, MAX_CTAS),
+    ("gemm_sm_carveout", 0, 1023),
+    ("max_tokens", 1, None),
+)
 
 
 @dataclass(frozen=True)
@@ -61,18 +73,16 @@ class TokenWeaveConfig:
     tuning_table: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.split_threshold < 0:
-            raise ValueError(f"split_threshold must be >= 0, got {self.split_threshold}")
-        if self.split_align < 1:
-            raise ValueError(f"split_align must be >= 1, got {self.split_align}")
-        for name in ("comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone"):
+        for name, low, high in _INT_RANGES:
             value = getattr(self, name)
-            if not 1 <= value <= 1024:
-                raise ValueError(f"{name} must be in [1, 1024], got {value}")
-        if not 0 <= self.gemm_sm_carveout < 1024:
-            raise ValueError(f"gemm_sm_carveout must be in [0, 1024), got {self.gemm_sm_carveout}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            # bool is an int in Python; a JSON table's "64" is not: both are mistakes here.
+            if isinstance(value, bool) or not isinstance(value, int) or not (
+                    (low is None or low <= value) and (high is None or value <= high)):
+                bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+                raise ValueError(f"{name} must be an int in {bounds}, got {value!r}")
+        if not isinstance(self.defer_across_layers, bool):
+            raise ValueError(
+                f"defer_across_layers must be a bool, got {self.defer_across_layers!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         if self.comm not in COMMS:

@@ -33,7 +33,7 @@ from megatron_tokenweave import moe
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.linears import Weave, WovenLinearMixin
 from megatron_tokenweave.log import log_once
-from megatron_tokenweave.norm import norm_weight_eps
+from megatron_tokenweave.norm import norm_weight_eps, norm_weight_eps_in
 from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
@@ -68,7 +68,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         self.tokenweave_config = TokenWeaveConfig.from_env(tokenweave_config)
         self._chain = self._join_chain()
         self._register_load_state_dict_pre_hook(self._accept_stock_norm_keys)
-        self._validated = False  # fused-op arguments checked once, on the first woven forward
+        # Fused-op arguments are checked in Python until one woven forward passed (later calls:
+        # the op's own C++ checks of shapes, dtypes, devices and alignment).
+        self._validated = False
 
     def _accept_stock_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
         """Load TE-spec state dicts, whose norm weights live in the fused TE linears. Our
@@ -203,8 +205,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             self._input_norm(x, normed, sp)
             inputs = tuple(Pending() for _ in halves)
 
-        validate = not self._validated
-        self._validated = True
+        validate = not self._validated  # until a forward got through its checks
         if validate and not capturing and ws.backend == "kernel" and self._capturable():
             # Megatron warms up eagerly, then captures with the CUDA-graph table: if that table
             # can pick the copy-engine path, its mirror must exist before the capture.
@@ -238,7 +239,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         with gemm_sm_carveout(plan.gemm_sm_carveout if split else 0):
             # Attention: qkv per half as its input arrives, attention whole, proj per half.
             attn_ops: list[Pending] = []
-            pre_mlp = _in_dtype(norm_weight_eps(self.pre_mlp_layernorm), x.dtype)
+            pre_mlp = norm_weight_eps_in(self.pre_mlp_layernorm, x.dtype)
             attention = self.self_attention
             attention.linear_qkv.weave = Weave(
                 chunks, halves, before=lambda i: inputs[i].wait()
@@ -260,7 +261,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             # MLP per half; its fused op also applies the next layer's input norm when there is one.
             successor = self._chain.successor(self)
             next_norm = (
-                _in_dtype(norm_weight_eps(successor.input_layernorm), x.dtype)
+                norm_weight_eps_in(successor.input_layernorm, x.dtype)
                 if successor is not None
                 else None
             )
@@ -277,6 +278,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             mlp_ops = [Pending() for _ in halves]  # a capture may not wait on another's events
         if next_norm is not None:
             self._chain.pending = Handoff(out, normed, halves, tuple(mlp_ops))
+        self._validated = True
         return out
 
     def _mlp_half(self, x: torch.Tensor, partial: torch.Tensor, add_bias: bool) -> None:
@@ -345,12 +347,3 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if kwargs.get("inference_context") is None and kwargs.get("inference_params") is not None:
         kwargs["inference_context"] = kwargs["inference_params"]
     return {k: kwargs[k] for k in _ATTENTION_KEYS if k in kwargs}
-
-
-def _in_dtype(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype):
-    """(weight, eps) with the weight in the activations' dtype: Megatron builds torch norms in
-    the default dtype when a model is not cast as a whole (a no-op when the dtypes agree)."""
-    if norm is None:
-        return None
-    weight, eps = norm
-    return weight.to(dtype), eps

@@ -41,3 +41,28 @@ def norm_weight_eps(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
     if getattr(norm, "zero_centered_gamma", False):
         return None
     return weight, float(eps)
+
+
+_CAST_ATTR = "_tokenweave_weight_cast"
+
+
+def norm_weight_eps_in(norm: torch.nn.Module,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
+    """norm_weight_eps with the weight in the activations' dtype. Megatron builds torch norms in
+    the default dtype when a model is not cast as a whole; the cast is then kept on the module
+    (made again when the weight changes: its version counter) so forwards do not allocate.
+    Never kept from inside a CUDA-graph capture, where the cast is recorded, not run."""
+    found = norm_weight_eps(norm)
+    if found is None or found[0].dtype == dtype:
+        return found
+    weight, eps = found
+    # What identifies the weight's values: the object, its storage (model.to() replaces
+    # .data) and its version counter (in-place updates).
+    now = (weight, weight.data_ptr(), weight._version, dtype)
+    kept = getattr(norm, _CAST_ATTR, None)
+    if kept is not None and kept[0][0] is weight and kept[0][1:] == now[1:]:
+        return kept[1], eps
+    cast = weight.to(dtype)
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        setattr(norm, _CAST_ATTR, (now, cast))
+    return cast, eps

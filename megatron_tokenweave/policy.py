@@ -26,7 +26,7 @@ import torch
 
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.log import log_once
-from megatron_tokenweave.ops.validate import COMMS, Comm
+from megatron_tokenweave.ops.validate import Comm
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
@@ -93,8 +93,15 @@ def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
         unknown = set(entry) - {"min_tokens", "split", *TUNABLE}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)} in {entry}")
-        if entry.get("comm", "fused") not in COMMS:
-            raise ValueError(f"{path}: comm must be one of {COMMS} in {entry}")
+        if not isinstance(entry.get("split", False), bool):
+            raise ValueError(f"{path}: split must be true or false in {entry}")
+        if isinstance(entry["min_tokens"], bool) or not isinstance(entry["min_tokens"], int) \
+                or entry["min_tokens"] < 0:
+            raise ValueError(f"{path}: min_tokens must be an int >= 0 in {entry}")
+        try:  # the tunable fields obey the config's own checks (types, CTA limits, comm)
+            TokenWeaveConfig(**{k: v for k, v in entry.items() if k in TUNABLE})
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc} in {entry}") from None
     return key, entries
 
 

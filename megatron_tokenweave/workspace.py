@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tokenweave.log import log_once
-from megatron_tokenweave.ops.validate import TokenWeaveInputError
+from megatron_tokenweave.ops.validate import MAX_HIDDEN, MAX_RANKS, TokenWeaveInputError
 
 
 class WorkspaceCapacityError(TokenWeaveInputError):
@@ -33,14 +33,21 @@ def _peer_reachable(group: dist.ProcessGroup, device: torch.device) -> tuple[boo
     return True, ""
 
 
-def resolve_backend(requested: str, group: dist.ProcessGroup, device: torch.device) -> str:
-    """Pick "kernel" or "reference" for `requested` in {auto, kernel, reference} (collective)."""
+def resolve_backend(requested: str, group: dist.ProcessGroup, device: torch.device,
+                    hidden: int) -> str:
+    """Pick "kernel" or "reference" for `requested` in {auto, kernel, reference} (collective:
+    every rank takes the same branches, their conditions being the same on every rank)."""
     if requested == "reference":
         return "reference"
     from megatron_tokenweave import kernels
 
+    world = dist.get_world_size(group)
     usable, why = (False, "the device is not a CUDA GPU")
-    if device.type == "cuda":
+    if world > MAX_RANKS:
+        why = f"TP size {world} is above the kernel's {MAX_RANKS} ranks"
+    elif hidden > MAX_HIDDEN:
+        why = f"hidden size {hidden} is above the kernel's {MAX_HIDDEN}"
+    elif device.type == "cuda":
         usable = kernels.is_available()
         why = "" if usable else "the CUDA extension megatron_tokenweave._C could not be loaded"
         if usable:
@@ -72,7 +79,7 @@ class Workspace:
         self.max_tokens = max_tokens
         self.hidden = hidden
         self.dtype = dtype
-        self.backend = resolve_backend(backend, group, device)
+        self.backend = resolve_backend(backend, group, device, hidden)
         numel = max_tokens * hidden
         self.symmetric = None
         if self.backend == "kernel":
@@ -140,6 +147,9 @@ class Workspace:
 
 
 _workspaces: dict[tuple, Workspace] = {}
+# Workspaces outgrown by a larger max_tokens: kept until destroy_workspaces(), since CUDA graphs
+# captured on them (and their copy-engine mirrors) replay with their addresses.
+_outgrown: list[Workspace] = []
 
 
 def get_workspace(
@@ -150,18 +160,26 @@ def get_workspace(
     device: torch.device,
     backend: str,
 ) -> Workspace:
-    """The workspace of this group/dtype/hidden/device, created on first use (a collective)."""
+    """The workspace of this group/dtype/hidden/device, created on first use (a collective).
+    Every woven layer of a key shares it (a layer hands its normed rows to the next in it); a
+    larger max_tokens replaces it with a larger one and keeps the old one alive."""
     key = (group, hidden, dtype, device, backend)
     ws = _workspaces.get(key)
     if ws is None or ws.max_tokens < max_tokens:
         if ws is not None:
-            ws.destroy()
+            log_once(f"outgrown:{key}:{max_tokens}",
+                     f"TokenWeave: a workspace of {ws.max_tokens} rows is outgrown by "
+                     f"max_tokens={max_tokens}; both stay allocated (give every model the "
+                     f"largest max_tokens to avoid it)")
+            _outgrown.append(ws)
         ws = _workspaces[key] = Workspace(group, max_tokens, hidden, dtype, device, backend)
     return ws
 
 
 def destroy_workspaces() -> None:
-    """Free every workspace (before destroying process groups)."""
-    for ws in _workspaces.values():
+    """Free every workspace (a collective of each TP group; before destroying process groups).
+    Nothing captured on them may replay afterwards."""
+    for ws in [*_workspaces.values(), *_outgrown]:
         ws.destroy()
     _workspaces.clear()
+    _outgrown.clear()

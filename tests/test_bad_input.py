@@ -212,23 +212,46 @@ def test_kernel_backend_on_cpu_raises_runtime_error(single_rank_group):
                        "device is not a CUDA GPU"):
         Workspace(single_rank_group, 8, H, torch.bfloat16, CPU, "kernel")
     with pytest.raises(RuntimeError, match="'kernel' was requested"):
-        resolve_backend("kernel", single_rank_group, CPU)
+        resolve_backend("kernel", single_rank_group, CPU, H)
+    with pytest.raises(RuntimeError, match="hidden size 32776 is above the kernel's 32768"):
+        resolve_backend("kernel", single_rank_group, CPU, 32776)
 
 
 def test_auto_backend_on_cpu_is_reference(single_rank_group):
-    assert resolve_backend("auto", single_rank_group, CPU) == "reference"
+    assert resolve_backend("auto", single_rank_group, CPU, H) == "reference"
+    assert resolve_backend("auto", single_rank_group, CPU, 32776) == "reference"
+
+
+def test_outgrown_workspace_stays_until_destroy_workspaces(single_rank_group, monkeypatch):
+    """A larger max_tokens gets a new workspace and keeps the old one (CUDA graphs captured on
+    it replay with its addresses); a smaller one reuses the larger; destroy_workspaces frees
+    both."""
+    from megatron_tokenweave import workspace as ws_mod
+
+    destroyed: list[int] = []
+    monkeypatch.setattr(ws_mod.Workspace, "destroy", lambda self: destroyed.append(self.max_tokens))
+    monkeypatch.setattr(ws_mod, "_workspaces", {})
+    monkeypatch.setattr(ws_mod, "_outgrown", [])
+    rest = (H, torch.bfloat16, CPU, "reference")
+    small = ws_mod.get_workspace(single_rank_group, 16, *rest)
+    large = ws_mod.get_workspace(single_rank_group, 64, *rest)
+    assert large is not small and large.max_tokens == 64 and destroyed == []
+    assert ws_mod.get_workspace(single_rank_group, 16, *rest) is large
+    ws_mod.destroy_workspaces()
+    assert sorted(destroyed) == [16, 64]
 
 
 # --------------------------------------------------------------------------- config
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(split_threshold=-1), "split_threshold must be >= 0"),
-        (dict(comm_ctas_attn=0), r"comm_ctas_attn must be in \[1, 1024\]"),
-        (dict(comm_ctas_mlp=0), r"comm_ctas_mlp must be in \[1, 1024\]"),
+        (dict(split_threshold=-1), r"split_threshold must be an int in \[0, inf\], got -1"),
+        (dict(comm_ctas_attn=0), r"comm_ctas_attn must be an int in \[1, 128\], got 0"),
+        (dict(comm_ctas_mlp=129), r"comm_ctas_mlp must be an int in \[1, 128\], got 129"),
+        (dict(comm_ctas_alone="64"), r"comm_ctas_alone must be an int in \[1, 128\], got '64'"),
         (dict(backend="foo"), "backend must be one of"),
-        (dict(split_align=0), "split_align must be >= 1"),
-        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(split_align=0), r"split_align must be an int in \[1, inf\]"),
+        (dict(max_tokens=0), r"max_tokens must be an int in \[1, inf\]"),
     ],
 )
 def test_bad_config_values_raise(kwargs, message):
@@ -327,6 +350,7 @@ def _model_worker(rank: int, world: int) -> dict:
         out["kernel"] = (type(exc).__name__, str(exc))
 
     forced = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
+    out["validate"] = _validate_flags(world, forced, gen)
     for name, case in FALLBACKS.items():
         norm = case["normalization"]
         stock = build_model("stock", case["shape"], 2, world, normalization=norm)
@@ -344,6 +368,35 @@ def _model_worker(rank: int, world: int) -> dict:
         out[name] = results
     out["log"] = list(messages)
     return out
+
+
+def _validate_flags(world: int, config: TokenWeaveConfig, gen) -> list:
+    """The `validate` flag of every fused-op call over three forwards of one woven model, the
+    first of which fails its first (validated) call: what each forward asked the op to check,
+    or the error it raised."""
+    import megatron_tokenweave.layer as layer_mod
+
+    model = build_model("tokenweave", SHAPE, 2, world, config)
+    tokens = torch.randint(0, SHAPE.vocab, (1, 16), generator=gen)
+    original, flags = layer_mod.fused_allreduce_rmsnorm, []
+
+    def op(*args):
+        flags[-1].append(args[9])  # (workspace, 7 tensors/args, ctas, validate, ...)
+        if len(flags) == 1 and args[9]:
+            raise TokenWeaveInputError("injected: the first forward's checks fail")
+        return original(*args)
+
+    layer_mod.fused_allreduce_rmsnorm = op
+    try:
+        for _ in range(3):
+            flags.append([])
+            try:
+                _forward(model, tokens)
+            except TokenWeaveInputError as exc:
+                flags[-1].append(str(exc))
+    finally:
+        layer_mod.fused_allreduce_rmsnorm = original
+    return flags
 
 
 @pytest.fixture(scope="module")
@@ -368,6 +421,16 @@ def test_model_with_kernel_backend_on_cpu_raises_runtime_error(model_results):
     for results in model_results:
         assert results["kernel"][0] == "RuntimeError"
         assert "backend 'kernel' was requested but cannot run" in results["kernel"][1]
+
+
+def test_python_checks_run_until_a_forward_passes_them(model_results):
+    """A forward whose checks failed leaves the layer unchecked no more: the next forward
+    checks again (every layer's first op), and only the one after it skips the Python checks."""
+    for results in model_results:
+        failed, checked, fast = results["validate"]
+        assert failed == [True, "injected: the first forward's checks fail"]
+        assert checked and checked[0] is True and len(checked) >= 4  # 2 layers x 2 ops
+        assert fast and not any(fast)
 
 
 @pytest.mark.parametrize("name", sorted(FALLBACKS))

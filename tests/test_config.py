@@ -20,10 +20,15 @@ def test_defaults_are_valid_and_frozen():
     [
         ("split_threshold", (0, 1, 1024, 10**9), (-1, -1024)),
         ("split_align", (1, 7, 128, 256), (0, -128)),
-        ("comm_ctas_attn", (1, 2, 32, 1024), (0, -1, 1025)),
-        ("comm_ctas_mlp", (1, 16, 1024), (0, 1025, 4096)),
-        ("comm_ctas_alone", (1, 64, 1024), (0, -2, 1025)),
-        ("max_tokens", (1, 3, 16384), (0, -5)),
+        # CTA counts stop at the kernel's 128 barrier slots; types are checked (a tuning
+        # table's "64" or true is an error, not a count).
+        ("comm_ctas_attn", (1, 2, 32, 128), (0, -1, 129, 1024, "16", 16.0, True)),
+        ("comm_ctas_mlp", (1, 16, 128), (0, 129, 4096, None)),
+        ("comm_ctas_alone", (1, 64, 128), (0, -2, 129, "64")),
+        ("gemm_sm_carveout", (0, 8, 1023), (-1, 1024, "8")),
+        ("max_tokens", (1, 3, 16384), (0, -5, 2.5)),
+        ("split_offset", (-64, 0, 5), ("1", 0.5)),
+        ("defer_across_layers", (True, False), (1, "true", None)),
         ("backend", ("auto", "kernel", "reference"), ("foo", "", "AUTO", "nccl")),
         ("comm", ("fused", "collectives", "copy_engine"),
          ("nccl", "", "Fused", "multimem", "copy-engine")),

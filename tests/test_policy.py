@@ -111,6 +111,23 @@ def test_table_with_unknown_comm_raises(tmp_path):
         load_table(path)
 
 
+@pytest.mark.parametrize("entry, message", [
+    ({"min_tokens": 0, "split": "false"}, "split must be true or false"),
+    ({"min_tokens": 0, "split": 1}, "split must be true or false"),
+    ({"min_tokens": -1, "split": False}, "min_tokens must be an int >= 0"),
+    ({"min_tokens": "0", "split": False}, "min_tokens must be an int >= 0"),
+    ({"min_tokens": 0, "comm_ctas_alone": "64"}, "comm_ctas_alone must be an int"),
+    ({"min_tokens": 0, "comm_ctas_alone": 500}, r"comm_ctas_alone must be an int in \[1, 128\]"),
+    ({"min_tokens": 0, "split": True, "comm_ctas_attn": 0}, "comm_ctas_attn must be an int"),
+    ({"min_tokens": 0, "gemm_sm_carveout": True}, "gemm_sm_carveout must be an int"),
+])
+def test_table_entries_with_bad_values_raise(tmp_path, entry, message):
+    """A table's values obey the config's checks: a string "false" would split (it is truthy)
+    and a CTA count past the kernel's barrier slots would fail mid-forward."""
+    with pytest.raises(ValueError, match=message):
+        load_table(_write(tmp_path, entries=[entry]))
+
+
 def _layer_follows_table(rank: int, world: int, table: str) -> list[tuple[int, int]]:
     from _dist import build_model, forward, record_fused_calls, setup_tp
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from megatron_tokenweave.bench.timing import capture_graph
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 from megatron_tokenweave.schedule import gemm_sm_carveout
 
@@ -78,16 +79,11 @@ def _time(fn, iters: int, warmup: int = 5, stream=None) -> float:
 def _time_graph(fn, iters: int) -> float:
     """Median microseconds per call of fn(0..GRAPH_CALLS-1) captured in one CUDA graph: device
     time without the host's per-call overhead."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
+    def calls() -> None:
         for j in range(GRAPH_CALLS):
             fn(j)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(GRAPH_CALLS):
-            fn(j)
+
+    g = capture_graph(calls)
     return _time(lambda i: g.replay(), iters) / GRAPH_CALLS
 
 

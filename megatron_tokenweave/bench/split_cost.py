@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from megatron_tokenweave.bench.report import write_result
-from megatron_tokenweave.bench.timing import interleaved_medians
+from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES, Shape
 
 
@@ -27,18 +27,6 @@ def layer_gemms(shape: Shape, tp: int) -> dict[str, tuple[int, int]]:
     qkv = (shape.hidden + 2 * shape.kv_groups * head_dim) // tp
     return {"qkv": (shape.hidden, qkv), "proj": (shape.hidden // tp, shape.hidden),
             "fc1": (shape.hidden, 2 * shape.ffn // tp), "fc2": (shape.ffn // tp, shape.hidden)}
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up: cuBLAS picks and allocates its workspace outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def measure(shape: Shape, tp: int, tokens: int, iters: int) -> list[dict]:
@@ -59,7 +47,7 @@ def measure(shape: Shape, tp: int, tokens: int, iters: int) -> list[dict]:
             else:
                 torch.matmul(inputs[n], weights[n], out=outs[n])
 
-    plans = {(n, split): _graph(lambda names=names, split=split: run(names, split))
+    plans = {(n, split): capture_graph(lambda names=names, split=split: run(names, split))
              for n, names in [*((g, (g,)) for g in gemms), ("layer", tuple(gemms))]
              for split in (False, True)}
     us = interleaved_medians({key: (lambda i, g=g: g.replay()) for key, g in plans.items()},

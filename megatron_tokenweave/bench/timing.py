@@ -8,6 +8,20 @@ from collections.abc import Callable
 import torch
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after one eager run on a side stream (cuBLAS picks its
+    kernels and workspace, the allocator warms up, outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def interleaved_medians(
     candidates: dict[str, Callable[[int], object]], iters: int = 20, warmup: int = 5
 ) -> dict[str, float]:

@@ -12,6 +12,8 @@ from megatron_tokenweave.kernels.policy import MULTIMEM, select_backend
 from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
+    MAX_CTAS,
+    MAX_HIDDEN,
     PHASES,
     Layout,
     Phase,
@@ -20,8 +22,7 @@ from megatron_tokenweave.ops.validate import (
     check_phase,
 )
 
-MIN_CTAS, MAX_CTAS = 1, 128
-MAX_HIDDEN = 32768
+MIN_CTAS = 1
 DEFAULT_CTAS = 16
 # Replicated layout: one-shot only (each rank pulls every row from every peer). At TP=2 it moves
 # the same total bytes as two-shot (reduce-scatter + all-gather), but all in one link direction

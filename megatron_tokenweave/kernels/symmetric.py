@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_tokenweave.kernels._ext import load_extension
+from megatron_tokenweave.ops.validate import MAX_CTAS
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENWEAVE_KERNEL_TIMEOUT_S", "10"))
 _ALIGN = 256
 _ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)"}
 # Barrier slots of the signal pad (signal.cuh): one per CTA index (kMaxCtas), then the
 # copy-engine op's two (START/END, MID).
-_CTA_SLOTS = 128
+_CTA_SLOTS = MAX_CTAS
 _SLOT_NAMES = {_CTA_SLOTS: "copy-engine op, START/END", _CTA_SLOTS + 1: "copy-engine op, MID"}
 
 

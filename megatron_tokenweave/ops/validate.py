@@ -10,6 +10,12 @@ import torch
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
+# The CUDA kernel's limits (csrc/include/tokenweave/common.cuh: kMaxCtas, kMaxRanks, and
+# kMaxThreads * kMaxVecsPerThread * kVecElems; a CPU test keeps them equal). Beyond the last two
+# the workspace falls back to the reference op.
+MAX_CTAS = 128
+MAX_RANKS = 8
+MAX_HIDDEN = 32768
 Comm = Literal["fused", "collectives", "copy_engine"]
 COMMS: tuple[str, ...] = ("fused", "collectives", "copy_engine")
 # What one call of the fused op issues: all of it, or (copy-engine data path, split layers) the

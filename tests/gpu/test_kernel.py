@@ -343,6 +343,27 @@ def _timeout_check(group, rank, dev) -> None:
 PATHS_ONE_GPU = ("default", "bulk", "registers", "copy_engine", "phased")
 
 
+def _misaligned_raise(kernels, buf, mirror, world, dev) -> None:
+    """Without the Python checks (validate=False: a layer's forwards after its first), a tensor
+    that is not 16-byte aligned still raises from the op's own checks, before anything is
+    launched (so no rank waits for another), on the SM-driven and the copy-engine path."""
+    from megatron_tokenweave.ops.validate import Layout
+
+    n, hidden, dtype = 8, 4096, torch.bfloat16
+    part = buf.view(dtype, (1, n, hidden), 0)
+    aligned = torch.randn(n, hidden, dtype=dtype, device=dev)
+    shifted = torch.empty(n * hidden + 8, dtype=dtype, device=dev)[1:1 + n * hidden].view(n, hidden)
+    w = torch.ones(hidden + 8, dtype=dtype, device=dev)
+    normed = torch.empty(1, n, hidden, dtype=dtype, device=dev)
+    cases = {"residual/residual_out": (shifted, w[:hidden]), "weight": (aligned, w[1:1 + hidden])}
+    for name, (res, weight) in cases.items():
+        for m in (None, mirror):
+            with pytest.raises(RuntimeError, match=f"{name} is not 16-byte aligned"):
+                kernels.fused_allreduce_rmsnorm(part, res, weight, EPS, aligned.clone(), normed,
+                                                Layout.REPLICATED, buf, ctas=4, mirror=m,
+                                                validate=False)
+
+
 def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     """Two processes on GPU 0 (gloo + CUDA IPC): protocol check against local expectations, on
     every data path (bulk copies, registers, copy engines whole and as a transfer + reduction)
@@ -393,6 +414,7 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
                             torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
                     nphased += phased
     assert nphased >= 8, nphased
+    _misaligned_raise(kernels, buf, mirror, world, dev)
     for _ in range(50):
         kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout, buf, ctas=4)
     buf.check_error()

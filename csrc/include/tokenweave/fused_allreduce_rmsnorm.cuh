@@ -77,20 +77,19 @@ __device__ __forceinline__ void store_normed(const FusedParams& p, char* const (
   }
 }
 
-// Rows per CTA iteration: keep kRows*kVpt*kNp vector loads (4 regs each) and kRows*kVpt*8 fp32
-// values of y (kRows*kVpt <= 4) within the register budget of 512 threads/CTA.
-template <int kNp, int kVpt>
-struct RowsPerIter {
-  static constexpr int a = 16 / (kNp * kVpt);
-  static constexpr int b = 4 / kVpt;
-  static constexpr int m = a < b ? a : b;
-  static constexpr int value = m < 1 ? 1 : (m > 4 ? 4 : m);
-};
+// Register path: rows per CTA iteration. Keeps np*vpt*rows vector loads (4 regs each) and
+// vpt*rows*8 fp32 values of y (vpt*rows <= 4) within the register budget of 512 threads/CTA.
+// Also the host's grid size (ops.cu).
+__host__ __device__ constexpr int rows_per_iter(int np, int vpt) {
+  const int a = 16 / (np * vpt), b = 4 / vpt;
+  const int m = a < b ? a : b;
+  return m < 1 ? 1 : (m > 4 ? 4 : m);
+}
 
 template <typename T, int kNp, int kVpt>
 __global__ void __launch_bounds__(kMaxThreads)
     fused_allreduce_rmsnorm_kernel(const FusedParams p) {
-  constexpr int kRows = RowsPerIter<kNp, kVpt>::value;
+  constexpr int kRows = rows_per_iter(kNp, kVpt);
   __shared__ float s_red[2][kRows][kMaxThreads / 32];
   __shared__ uint32_t s_epoch;
   __shared__ int s_fail;
