@@ -138,6 +138,20 @@ def test_oneshot_threshold_mirrors_the_cuda_constant():
     assert ONESHOT_ROUND_BYTES == int(m.group(1)) << int(m.group(2))
 
 
+def test_kernel_limits_mirror_the_cuda_constants():
+    """ops.validate's MAX_CTAS / MAX_RANKS / MAX_HIDDEN (config, table and backend checks) are
+    common.cuh's kMaxCtas, kMaxRanks and kMaxThreads * kMaxVecsPerThread * kVecElems."""
+    import pathlib
+    import re
+
+    from megatron_tokenweave.ops.validate import MAX_CTAS, MAX_HIDDEN, MAX_RANKS
+
+    text = (pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave/common.cuh").read_text()
+    value = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", text)}
+    assert MAX_CTAS == value["kMaxCtas"] and MAX_RANKS == value["kMaxRanks"]
+    assert MAX_HIDDEN == value["kMaxThreads"] * value["kMaxVecsPerThread"] * value["kVecElems"]
+
+
 def test_oneshot_applies_to_small_replicated_calls_only():
     from megatron_tokenweave.kernels import oneshot_applies
     from megatron_tokenweave.ops.validate import Layout
