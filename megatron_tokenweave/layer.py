@@ -183,7 +183,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp), capturing)
         plan = get_policy(cfg, key).plan(chunks * n)
-        halves = plan_halves(n, chunks, cfg, plan.split)
+        halves = plan_halves(n, cfg, plan.split)
         if moe.is_moe(self.mlp):  # before anything is launched
             moe.check_capacity(self.mlp, [chunks * h.rows for h in halves])
         side = self._chain.side_stream(x.device)
@@ -200,7 +200,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         out = torch.empty_like(x)
         residual = out.view(n, hidden)
 
-        inputs = self._inputs(handoff, halves)
+        inputs = self._inputs(handoff, halves, normed)
         if inputs is None:
             self._input_norm(x, normed, sp)
             inputs = tuple(Pending() for _ in halves)
@@ -309,9 +309,15 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         return hasattr(self, "cudagraph_manager")
 
     @staticmethod
-    def _inputs(handoff: Handoff | None, halves: tuple[Half, ...]) -> tuple[Pending, ...] | None:
-        """Per half, the op still writing the handed-off normed input; None: compute it here."""
+    def _inputs(handoff: Handoff | None, halves: tuple[Half, ...],
+                normed: torch.Tensor) -> tuple[Pending, ...] | None:
+        """Per half, the op still writing the handed-off normed input into `normed`; None:
+        compute it here (no hand-off, or one into another buffer: a workspace outgrown
+        between the two layers)."""
         if handoff is None:
+            return None
+        if handoff.normed.data_ptr() != normed.data_ptr() or handoff.normed.shape != normed.shape:
+            handoff.wait()
             return None
         if handoff.halves == halves:
             return handoff.pending

@@ -26,14 +26,11 @@ class Half:
         return t[:, self.offset : self.offset + self.rows]
 
 
-def plan_halves(
-    rows_per_chunk: int, chunks: int, cfg: TokenWeaveConfig, split: bool | None = None
-) -> tuple[Half, ...]:
-    """One half (no split) below the threshold (or when `split` is False), else two, the first
-    aligned for GEMM waves. A chunk of fewer than 2 rows is never split."""
+def plan_halves(rows_per_chunk: int, cfg: TokenWeaveConfig, split: bool) -> tuple[Half, ...]:
+    """One half when the plan does not split (policy.SplitPolicy.plan decides), else two, the
+    first aligned for GEMM waves (cfg's split_align / split_offset). A chunk of fewer than 2
+    rows is never split."""
     n = rows_per_chunk
-    if split is None:
-        split = chunks * n >= cfg.split_threshold
     if n < 2 or not split:
         return (Half(0, n),)
     first = (n // 2) // cfg.split_align * cfg.split_align + cfg.split_offset

@@ -351,6 +351,7 @@ def _model_worker(rank: int, world: int) -> dict:
 
     forced = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
     out["validate"] = _validate_flags(world, forced, gen)
+    out["outgrown"] = _outgrown_mid_forward(world, forced, gen)
     for name, case in FALLBACKS.items():
         norm = case["normalization"]
         stock = build_model("stock", case["shape"], 2, world, normalization=norm)
@@ -399,6 +400,33 @@ def _validate_flags(world: int, config: TokenWeaveConfig, gen) -> list:
     return flags
 
 
+def _outgrown_mid_forward(world: int, config: TokenWeaveConfig, gen) -> dict:
+    """A 3-layer woven model whose middle layer asks for a larger workspace than every earlier
+    one: the first forward outgrows the workspace between layers 0 and 1, so layer 0's normed
+    rows are in the old buffer. Logits vs the stock model, and how often each layer normalized
+    its own input."""
+    import dataclasses
+
+    stock = build_model("stock", SHAPE, 3, world)
+    randomize_norms_(stock, seed=12)
+    woven = build_model("tokenweave", SHAPE, 3, world, config)
+    woven.load_state_dict(stock.state_dict(), strict=True)
+    layers = woven.decoder.layers
+    layers[1].tokenweave_config = dataclasses.replace(config, max_tokens=1 << 16)
+    own_norms = [0, 0, 0]
+    for i, layer in enumerate(layers):
+        original = layer._input_norm
+
+        def counted(*args, i=i, original=original):
+            own_norms[i] += 1
+            return original(*args)
+
+        layer._input_norm = counted
+    tokens = torch.randint(0, SHAPE.vocab, (2, 24), generator=gen)
+    errs = [rel_err(_forward(woven, tokens), _forward(stock, tokens)) for _ in range(2)]
+    return dict(errs=errs, own_norms=own_norms)
+
+
 @pytest.fixture(scope="module")
 def model_results():
     return run_ranks(_model_worker)
@@ -421,6 +449,16 @@ def test_model_with_kernel_backend_on_cpu_raises_runtime_error(model_results):
     for results in model_results:
         assert results["kernel"][0] == "RuntimeError"
         assert "backend 'kernel' was requested but cannot run" in results["kernel"][1]
+
+
+def test_hand_off_into_an_outgrown_workspace_is_recomputed(model_results):
+    """When a layer's workspace is not the one its predecessor wrote the normed rows into, it
+    waits for them and normalizes its input itself: logits still match the stock model's (the
+    first forward; the second finds one workspace again and uses the hand-off)."""
+    for results in model_results:
+        case = results["outgrown"]
+        assert all(err <= 1e-5 for err in case["errs"]), case
+        assert case["own_norms"] == [2, 1, 0], case  # layer 0 always; layer 1 once
 
 
 def test_python_checks_run_until_a_forward_passes_them(model_results):

@@ -1,22 +1,21 @@
-"""The woven schedule's building blocks: plan_halves, Half, SideStream on CPU, WeaveChain."""
+"""The woven schedule's building blocks: the halves (policy + plan_halves), Half, SideStream on
+CPU, WeaveChain."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 
 import pytest
 import torch
 
+from megatron_tokenweave import schedule
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.schedule import (
-    Half,
-    Handoff,
-    Pending,
-    SideStream,
-    WeaveChain,
-    plan_halves,
-)
+from megatron_tokenweave.policy import SplitPolicy, TableKey
+from megatron_tokenweave.schedule import Half, Handoff, Pending, SideStream, WeaveChain
+
+KEY = TableKey("cpu", 2, 64, "float32", False)
 
 ROWS = tuple(range(0, 70)) + (127, 128, 129, 255, 256, 257, 511, 512, 1000, 1031, 4097)
 CHUNKS = (1, 2, 4, 8)
@@ -33,6 +32,13 @@ CONFIGS = (
 
 def _all_cases():
     return itertools.product(CONFIGS, CHUNKS, ROWS)
+
+
+def plan_halves(n: int, chunks: int, cfg: TokenWeaveConfig) -> tuple[Half, ...]:
+    """The layer's halves for n rows in each of `chunks` chunks: the split decided by the
+    config's policy (no tuning table), the halves by schedule.plan_halves."""
+    policy = SplitPolicy(dataclasses.replace(cfg, tuning_table="none"), KEY)
+    return schedule.plan_halves(n, cfg, policy.plan(chunks * n).split)
 
 
 def _should_split(cfg: TokenWeaveConfig, chunks: int, n: int) -> bool:
