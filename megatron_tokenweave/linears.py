@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -51,7 +52,8 @@ class Weave:
     after: Callable[[int], None] | None = None
     add_bias: bool = False
 
-    def column(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def column(self, module: torch.nn.Module,
+               x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight, bias = module.weight, _bias(module)
         skip = bool(getattr(module, "skip_bias_add", False))
         x3 = x.reshape(self.chunks, -1, x.shape[-1])
@@ -87,7 +89,8 @@ class WovenLinearMixin:
     weave: Weave | None = None
     _woven_role = "column"
 
-    def forward(self, input_: torch.Tensor, *args, **kwargs):
+    def forward(self, input_: torch.Tensor, *args: Any,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         weave = self.weave
         if weave is None:
             return super().forward(input_, *args, **kwargs)

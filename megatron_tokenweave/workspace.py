@@ -6,12 +6,16 @@ buffers.
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.validate import MAX_HIDDEN, MAX_RANKS, TokenWeaveInputError
+
+if TYPE_CHECKING:
+    from megatron_tokenweave import kernels
 
 
 class WorkspaceCapacityError(TokenWeaveInputError):
@@ -113,7 +117,7 @@ class Workspace:
             raise RuntimeError(message)
         self._error_host.copy_(self.symmetric.error_words(), non_blocking=True)
 
-    def copy_engine_mirror(self):
+    def copy_engine_mirror(self) -> kernels.CopyEngineMirror:
         """The local mirror of the peers' partial region for the copy-engine data path
         (kernels.CopyEngineMirror, (TP size - 1) x the partial region), allocated on first use.
         Not during a CUDA graph capture (its memory would belong to the graph's pool): a

@@ -24,12 +24,13 @@ from megatron_tokenweave.ops.validate import (
 
 MIN_CTAS = 1
 DEFAULT_CTAS = 16
-# Replicated layout: one-shot only (each rank pulls every row from every peer). At TP=2 it moves
-# the same total bytes as two-shot (reduce-scatter + all-gather), but all in one link direction
-# instead of half in each, and it needs one barrier pair instead of a second data phase; two-shot
-# would pay off above ~1K tokens at TP>=4. Not implemented yet: the sequence-parallel layout is the
-# fast path (it is a two-shot whose gather writes the normed rows straight to the peers).
-REPLICATED_ALGO = "one_shot"
+# Replicated layout: every rank pulls every row from every peer (no reduce-scatter +
+# all-gather). At TP=2 that moves the same total bytes as a two-shot, but all in one link
+# direction instead of half in each, and it needs one barrier pair instead of a second data
+# phase; a two-shot would pay off above ~1K tokens at TP>=4. Not implemented: the
+# sequence-parallel layout is the fast path (a two-shot whose gather writes the normed rows
+# straight to the peers).
+#
 # Small replicated calls take the flagless one-shot path (csrc/include/tokenweave/oneshot.cuh)
 # when all ranks' rows fit one receive buffer; mirrors kOneShotRoundBytes in signal.cuh (a CPU
 # test keeps the two equal).
@@ -50,7 +51,9 @@ def _multicast_supported(device: torch.device) -> bool:
     return _mc_supported[device.index]
 
 
-def check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
+def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
+                      weight: torch.Tensor | None, residual_out: torch.Tensor,
+                      normed_out: torch.Tensor | None, layout: Layout,
                       buffer: SymmetricBuffer, ctas: int) -> None:
     """Contract checks + kernel-specific ones; raise TokenWeaveInputError."""
     check_fused_args(partial, residual, weight, residual_out, normed_out, layout, buffer.world)
