@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <optional>
+#include <type_traits>
 
 #include "tokenweave/copy_engine.cuh"
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
@@ -169,54 +170,48 @@ void launch_bulk(const FusedParams& p, int grid, int threads, int stages, cudaSt
   kernel<<<grid, threads, smem, stream>>>(p, stages);
 }
 
+// Calls f(NP, VPT) with both as std::integral_constant for the runtime (np, vpt): the one place
+// where the kernels' template instantiations are chosen.
+template <typename F>
+void with_np_vpt(int np, int vpt, F&& f) {
+  auto by_vpt = [&](auto np_c) {
+    switch (vpt) {
+      case 1: f(np_c, std::integral_constant<int, 1>{}); break;
+      case 2: f(np_c, std::integral_constant<int, 2>{}); break;
+      case 4: f(np_c, std::integral_constant<int, 4>{}); break;
+      default: f(np_c, std::integral_constant<int, 8>{}); break;
+    }
+  };
+  switch (np) {
+    case 2: by_vpt(std::integral_constant<int, 2>{}); break;
+    case 4: by_vpt(std::integral_constant<int, 4>{}); break;
+    default: by_vpt(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+void check_launch() {
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+int grid_of(int64_t units, int64_t ctas) { return static_cast<int>(units < ctas ? units : ctas); }
+
+// The SM-driven barrier paths: the bulk-copy pipeline where its stages fit, else registers.
 template <typename T>
 void launch_p2p(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
-  const int np = np_bucket(p.world);
   const int stages = bulk_stages(p.world, p.hidden, sizeof(T));
-  if (stages > 0) {
-    const int grid = static_cast<int>(p.rows < ctas ? p.rows : ctas);
-#define TW_BULK(NP, VPT) launch_bulk<T, NP, VPT>(p, grid, s.threads, stages, stream)
-#define TW_BVPT(NP)                  \
-  switch (s.vpt) {                   \
-    case 1: TW_BULK(NP, 1); break;   \
-    case 2: TW_BULK(NP, 2); break;   \
-    case 4: TW_BULK(NP, 4); break;   \
-    default: TW_BULK(NP, 8); break;  \
-  }
-    switch (np) {
-      case 2: TW_BVPT(2); break;
-      case 4: TW_BVPT(4); break;
-      default: TW_BVPT(8); break;
+  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
+    constexpr int NP = decltype(np_c)::value, VPT = decltype(vpt_c)::value;
+    if (stages > 0) {
+      launch_bulk<T, NP, VPT>(p, grid_of(p.rows, ctas), s.threads, stages, stream);
+    } else {
+      constexpr int kRows = rows_per_iter(NP, VPT);
+      fused_allreduce_rmsnorm_kernel<T, NP, VPT>
+          <<<grid_of((p.rows + kRows - 1) / kRows, ctas), s.threads, 0, stream>>>(p);
     }
-#undef TW_BVPT
-#undef TW_BULK
-    const cudaError_t err = cudaGetLastError();
-    TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ",
-                cudaGetErrorString(err));
-    return;
-  }
-  const int rows_it = rows_per_iter(np, s.vpt);
-  const int64_t need = (p.rows + rows_it - 1) / rows_it;
-  const int grid = static_cast<int>(need < ctas ? need : ctas);
-#define TW_LAUNCH(NP, VPT)                                                               \
-  fused_allreduce_rmsnorm_kernel<T, NP, VPT><<<grid, s.threads, 0, stream>>>(p)
-#define TW_VPT(NP)                 \
-  switch (s.vpt) {                 \
-    case 1: TW_LAUNCH(NP, 1); break; \
-    case 2: TW_LAUNCH(NP, 2); break; \
-    case 4: TW_LAUNCH(NP, 4); break; \
-    default: TW_LAUNCH(NP, 8); break; \
-  }
-  switch (np) {
-    case 2: TW_VPT(2); break;
-    case 4: TW_VPT(4); break;
-    default: TW_VPT(8); break;
-  }
-#undef TW_VPT
-#undef TW_LAUNCH
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+  });
+  check_launch();
 }
 
 // The one-shot path takes replicated-layout calls whose P rows per row fit one receive buffer,
@@ -231,39 +226,22 @@ bool use_oneshot(const FusedParams& p, int64_t elem_bytes) {
 template <typename T>
 void launch_oneshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
-  const int grid = static_cast<int>(p.rows < ctas ? p.rows : ctas);
-#define TW_ONESHOT(NP, VPT) \
-  fused_allreduce_rmsnorm_oneshot_kernel<T, NP, VPT><<<grid, s.threads, 0, stream>>>(p)
-#define TW_OVPT(NP)                   \
-  switch (s.vpt) {                    \
-    case 1: TW_ONESHOT(NP, 1); break; \
-    case 2: TW_ONESHOT(NP, 2); break; \
-    case 4: TW_ONESHOT(NP, 4); break; \
-    default: TW_ONESHOT(NP, 8); break; \
-  }
-  switch (np_bucket(p.world)) {
-    case 2: TW_OVPT(2); break;
-    case 4: TW_OVPT(4); break;
-    default: TW_OVPT(8); break;
-  }
-#undef TW_OVPT
-#undef TW_ONESHOT
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
+    fused_allreduce_rmsnorm_oneshot_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
+        <<<grid_of(p.rows, ctas), s.threads, 0, stream>>>(p);
+  });
+  check_launch();
 }
 
 template <typename T>
 void launch_multimem(const FusedParams& p, int64_t ctas, char* mc, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
-  const int grid = static_cast<int>(p.rows < ctas ? p.rows : ctas);
-  switch (s.vpt) {
-    case 1: fused_allreduce_rmsnorm_multimem_kernel<T, 1><<<grid, s.threads, 0, stream>>>(p, mc); break;
-    case 2: fused_allreduce_rmsnorm_multimem_kernel<T, 2><<<grid, s.threads, 0, stream>>>(p, mc); break;
-    case 4: fused_allreduce_rmsnorm_multimem_kernel<T, 4><<<grid, s.threads, 0, stream>>>(p, mc); break;
-    default: fused_allreduce_rmsnorm_multimem_kernel<T, 8><<<grid, s.threads, 0, stream>>>(p, mc); break;
-  }
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+  // The switch reduces: no per-rank template parameter (any np picks the same kernel).
+  with_np_vpt(2, s.vpt, [&](auto, auto vpt_c) {
+    fused_allreduce_rmsnorm_multimem_kernel<T, decltype(vpt_c)::value>
+        <<<grid_of(p.rows, ctas), s.threads, 0, stream>>>(p, mc);
+  });
+  check_launch();
 }
 
 }  // namespace
@@ -356,9 +334,7 @@ void fused_allreduce_rmsnorm_copy_engine(
       copy_engine_barrier_kernel<kCeMid><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
     else
       copy_engine_barrier_kernel<kCeEnd><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
-    const cudaError_t err = cudaGetLastError();
-    TORCH_CHECK(err == cudaSuccess, "tokenweave: barrier launch failed: ",
-                cudaGetErrorString(err));
+    check_launch();
   };
 
   if (phase != kCeReduce) {
