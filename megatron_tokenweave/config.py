@@ -44,7 +44,8 @@ class TokenWeaveConfig:
         count target through torch's experimental carve-out; 0 = off).
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
     backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
-        (the kernel where every TP rank is on this node with peer access, else reference).
+        (the kernel where every TP rank is on this node with peer access, TP <= 8 and hidden
+        <= 32768, else reference).
     comm: how the fused op communicates: "fused" (the backend above: one P2P kernel does the
         all-reduce, residual add and norm) or "collectives" (torch.distributed collectives in the
         activations' dtype, then add and norm: the stock mechanism, which NCCL runs faster than

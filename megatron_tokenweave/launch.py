@@ -12,8 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_tokenweave.workspace import destroy_workspaces
-
 # Never NVLink multicast on our machines (DEVICE.md); spawned ranks inherit these.
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -39,9 +37,7 @@ def _worker(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        destroy_workspaces()  # collective (every rank got here), before the process group goes
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:

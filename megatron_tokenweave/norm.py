@@ -50,12 +50,15 @@ def norm_weight_eps_in(norm: torch.nn.Module,
                        dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
     """norm_weight_eps with the weight in the activations' dtype. Megatron builds torch norms in
     the default dtype when a model is not cast as a whole; the cast is then kept on the module
-    (made again when the weight changes: its version counter) so forwards do not allocate.
-    Never kept from inside a CUDA-graph capture, where the cast is recorded, not run."""
+    (made again when the weight changes) so eager forwards do not allocate. A CUDA-graph
+    capture records its own cast: its replays then follow later weight updates, and never read
+    a kept cast that an eager forward may replace (and free)."""
     found = norm_weight_eps(norm)
     if found is None or found[0].dtype == dtype:
         return found
     weight, eps = found
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return weight.to(dtype), eps
     # What identifies the weight's values: the object, its storage (model.to() replaces
     # .data) and its version counter (in-place updates).
     now = (weight, weight.data_ptr(), weight._version, dtype)
@@ -63,6 +66,5 @@ def norm_weight_eps_in(norm: torch.nn.Module,
     if kept is not None and kept[0][0] is weight and kept[0][1:] == now[1:]:
         return kept[1], eps
     cast = weight.to(dtype)
-    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
-        setattr(norm, _CAST_ATTR, (now, cast))
+    setattr(norm, _CAST_ATTR, (now, cast))
     return cast, eps

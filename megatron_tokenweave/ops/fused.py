@@ -39,8 +39,9 @@ def fused_allreduce_rmsnorm(
     normed_out: [C, n, H] with dense rows and any chunk stride: the normed rows of every chunk,
         on every rank. On the kernel backend it must lie in `workspace.normed`.
     ctas: CTAs the kernel may use (ignored by the reference).
-    validate: check the arguments (the layer checks once per layer, then builds them the same
-        way every call; the reference always checks).
+    validate: check the arguments in Python (a layer does until one of its forwards passed
+        the checks, then builds them the same way every call; the kernel's own C++ checks of
+        shapes, dtypes, devices and alignment run on every call; the reference always checks).
     comm: "fused" runs the workspace's backend (the P2P kernel, or the fp32 reference);
         "copy_engine" the same with the kernel's data moved by copy engines (the kernel backend's
         copy-engine path; the reference backend has no such distinction and runs the reference);

@@ -15,6 +15,7 @@ All cases of a test run inside one spawned job (one extension load, one process 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 
@@ -346,7 +347,8 @@ PATHS_ONE_GPU = ("default", "bulk", "registers", "copy_engine", "phased")
 def _misaligned_raise(kernels, buf, mirror, world, dev) -> None:
     """Without the Python checks (validate=False: a layer's forwards after its first), a tensor
     that is not 16-byte aligned still raises from the op's own checks, before anything is
-    launched (so no rank waits for another), on the SM-driven and the copy-engine path."""
+    launched (both ranks pass the same tensors and raise alike: no rank waits for another), on
+    the SM-driven and the copy-engine path."""
     from megatron_tokenweave.ops.validate import Layout
 
     n, hidden, dtype = 8, 4096, torch.bfloat16
@@ -381,9 +383,9 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
         for tokens, hidden in ((1, 4096), (3, 5120), (127, 8192), (1000, 4096)):
             for weight_on in (True, False):
-                for path in PATHS_ONE_GPU:
+                for path, dtype in itertools.product(PATHS_ONE_GPU,
+                                                     (torch.bfloat16, torch.float16)):
                     seed += 1
-                    dtype = (torch.bfloat16, torch.float16)[(seed // len(PATHS_ONE_GPU)) % 2]
                     sp = layout is Layout.SEQUENCE_PARALLEL
                     n = _rows(tokens, world, sp)
                     part, res_in, w, res_out, normed, residual = _case_tensors(
