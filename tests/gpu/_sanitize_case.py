@@ -1,6 +1,7 @@
 """A small 2-rank run of the fused kernel for compute-sanitizer (memcheck, racecheck): the
-barrier path in both layouts, the one-shot path (small replicated call) and the copy-engine path
-in both layouts.
+barrier path in both layouts (bulk copies; registers once), the one-shot path (small replicated
+call) and the copy-engine path in both layouts, whole and (replicated) as a transfer + a
+reduction. With one GPU both ranks share it (two processes, CUDA IPC).
 
 Ranks talk over gloo (no NCCL under the sanitizer), map each other's buffers by CUDA IPC and
 check the kernel against an fp32 computation of the gathered inputs. Exit code 0: all correct.
@@ -26,21 +27,26 @@ def _worker(rank: int, world: int, port: int) -> None:
     from megatron_tokenweave.ops.validate import Layout
 
     os.environ.update(NO_MULTICAST_ENV)
-    torch.cuda.set_device(rank)
+    device = rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     n, hidden, dtype, eps = 37, 1024, torch.bfloat16, 1e-5
-    buf = kernels.SymmetricBuffer(dist.group.WORLD, 4 << 20, rank, timeout_s=300)
+    buf = kernels.SymmetricBuffer(dist.group.WORLD, 4 << 20, device, timeout_s=300)
     mirror = kernels.CopyEngineMirror(buf, 1 << 20)
     gen = torch.Generator().manual_seed(7)
-    # The replicated case on the one-shot path (default at this size) and the barrier path; both
-    # layouts on the copy-engine path.
-    for layout, no_oneshot, ce in ((Layout.SEQUENCE_PARALLEL, "0", None),
-                                   (Layout.REPLICATED, "0", None),
-                                   (Layout.REPLICATED, "1", None),
-                                   (Layout.SEQUENCE_PARALLEL, "0", mirror),
-                                   (Layout.REPLICATED, "0", mirror)):
+    # The replicated case on the one-shot path (default at this size), the barrier path and its
+    # register variant; both layouts on the copy-engine path, replicated also in two phases.
+    for layout, no_oneshot, no_bulk, ce, phased in (
+            (Layout.SEQUENCE_PARALLEL, "0", "0", None, False),
+            (Layout.REPLICATED, "0", "0", None, False),
+            (Layout.REPLICATED, "1", "0", None, False),
+            (Layout.REPLICATED, "1", "1", None, False),
+            (Layout.SEQUENCE_PARALLEL, "0", "0", mirror, False),
+            (Layout.REPLICATED, "0", "0", mirror, False),
+            (Layout.REPLICATED, "0", "0", mirror, True)):
         os.environ["TOKENWEAVE_NO_ONESHOT"] = no_oneshot
+        os.environ["TOKENWEAVE_NO_BULK"] = no_bulk
         chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
         parts = [torch.randn(chunks, n, hidden, generator=gen).to(dtype) for _ in range(world)]
         res_all = [torch.randn(n, hidden, generator=gen).to(dtype) for _ in range(world)]
@@ -53,8 +59,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         normed.fill_(float("nan"))
         out = torch.full_like(residual, float("nan"))
         dist.barrier()
-        kernels.fused_allreduce_rmsnorm(partial, residual, weight.cuda(), eps, out, normed,
-                                        layout, buf, ctas=4, mirror=ce)
+        args = (partial, residual, weight.cuda(), eps, out, normed, layout, buf)
+        for phase in (("transfer", "reduce") if phased else ("whole",)):
+            kernels.fused_allreduce_rmsnorm(*args, ctas=4, mirror=ce, phase=phase)
         torch.cuda.synchronize()
         dist.barrier()
         mine = rank if chunks > 1 else 0
@@ -69,7 +76,8 @@ def _worker(rank: int, world: int, port: int) -> None:
                     for c in range(chunks))
         if not (err_y < 0.1 and err_n < 0.1):
             raise SystemExit(f"rank {rank} {layout.value} no_oneshot={no_oneshot} "
-                             f"copy_engine={ce is not None}: errors "
+                             f"no_bulk={no_bulk} copy_engine={ce is not None} "
+                             f"phased={phased}: errors "
                              f"{err_y} {err_n}")
     buf.close()
     dist.destroy_process_group()

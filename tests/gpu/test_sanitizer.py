@@ -1,4 +1,5 @@
-"""compute-sanitizer memcheck and racecheck are clean on a small 2-GPU run of the kernel."""
+"""compute-sanitizer memcheck and racecheck are clean on a small 2-rank run of the kernel (on 2
+GPUs, or both ranks sharing one)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
 CASE = os.path.join(os.path.dirname(__file__), "_sanitize_case.py")
 pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 or shutil.which("compute-sanitizer") is None,
-    reason="needs 2 GPUs and compute-sanitizer",
+    torch.cuda.device_count() < 1 or shutil.which("compute-sanitizer") is None,
+    reason="needs a GPU and compute-sanitizer",
 )
 
 
