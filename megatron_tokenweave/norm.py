@@ -59,12 +59,12 @@ def norm_weight_eps_in(norm: torch.nn.Module,
     weight, eps = found
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         return weight.to(dtype), eps
-    # What identifies the weight's values: the object, its storage (model.to() replaces
+    # What identifies the weight's values besides the object: its storage (model.to() replaces
     # .data) and its version counter (in-place updates).
-    now = (weight, weight.data_ptr(), weight._version, dtype)
+    state = (weight.data_ptr(), weight._version, dtype)
     kept = getattr(norm, _CAST_ATTR, None)
-    if kept is not None and kept[0][0] is weight and kept[0][1:] == now[1:]:
-        return kept[1], eps
+    if kept is not None and kept[0] is weight and kept[1] == state:
+        return kept[2], eps
     cast = weight.to(dtype)
-    setattr(norm, _CAST_ATTR, (now, cast))
+    setattr(norm, _CAST_ATTR, (weight, state, cast))
     return cast, eps

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_tokenweave.bench.nocomm import no_tp_comm
-from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES
 
@@ -256,14 +256,9 @@ def _plot_speedups(ax, speed: dict, stock: str, xlabel: str) -> None:
     (impl, workload) to a higher-is-better figure."""
     workloads = sorted({w for _, w in speed})
     impls = [i for i in ("tokenweave", f"{stock}_nocomm") if any(k[0] == i for k in speed)]
-    width = 0.8 / max(len(impls), 1)
-    for k, impl in enumerate(impls):
-        bars = ax.bar([x + k * width for x in range(len(workloads))],
-                      [speed[(impl, w)] / speed[(stock, w)] for w in workloads], width,
-                      label=impl)
-        ax.bar_label(bars, fmt="%.3f", fontsize=8)
-    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(workloads))],
-                  [str(w) for w in workloads])
+    grouped_bars(ax, workloads,
+                 {i: [speed[(i, w)] / speed[(stock, w)] for w in workloads] for i in impls},
+                 value_labels=True)
     ax.set_xlabel(xlabel)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.legend(loc="lower right")

@@ -27,3 +27,16 @@ def write_result(name: str, argv: list[str] | None, rows: list[dict], out: str,
     plot(result, out.replace(".json", ".png"))
     print(f"wrote {out}")
     return result
+
+
+def grouped_bars(ax: Any, groups: list, series: dict[str, list[float]],
+                 value_labels: bool = False) -> None:
+    """One group of bars per entry of `groups` (x tick labels), one bar per series in each
+    group, in the order of `series`; `value_labels` writes each bar's value on it."""
+    width = 0.8 / max(len(series), 1)
+    for k, (label, values) in enumerate(series.items()):
+        bars = ax.bar([x + k * width for x in range(len(groups))], values, width, label=label)
+        if value_labels:
+            ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(groups))],
+                  [str(g) for g in groups])

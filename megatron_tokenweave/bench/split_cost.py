@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES, Shape
 
@@ -69,12 +69,7 @@ def _plot(result: dict, path: str) -> None:
     lengths = sorted({r["tokens"] for r in rows})
     by = {(r["gemm"], r["tokens"]): r["whole_over_halves"] for r in rows}
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(names)
-    for k, n in enumerate(names):
-        ax.bar([x + k * width for x in range(len(lengths))], [by[(n, t)] for t in lengths],
-               width, label=n)
-    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(lengths))],
-                  [str(t) for t in lengths])
+    grouped_bars(ax, lengths, {n: [by[(n, t)] for t in lengths] for n in names})
     ax.set_ylim(0.8, 1.05)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("tokens")
