@@ -1,49 +1,87 @@
 #!/usr/bin/env bash
-# Compile-check every csrc/*.cu for sm_90 (object files) with nvcc and the include dirs of the
-# installed torch (the CPU wheel ships the CUDA headers torch's extensions need). For the multimem
-# code, also emit PTX and check it holds multimem.ld_reduce and multimem.st. Exits non-zero on any
-# failure. Usage: .ci/compile_csrc.sh [build_dir]   (env: PYTHON, NVCC)
+# Compile-check every csrc/*.cu (object files) with nvcc for every arch CI checks: the flags are
+# megatron_tokenweave/build_flags.py's (the ones setup.py and the JIT build use; archs: its
+# CHECK_ARCHS, "80;90", or TOKENWEAVE_CUDA_ARCHS where set), plus what torch's BuildExtension adds
+# and the include dirs of the installed torch (the CPU wheel ships the CUDA headers torch's
+# extensions need). For the multimem code, also check that the sm_90 PTX of ops.cu (kept from its
+# object compile) holds multimem.ld_reduce and multimem.st. Exits non-zero on any failure.
+# Usage: .ci/compile_csrc.sh [--print-flags] [build_dir]   (env: PYTHON, NVCC)
+#   --print-flags: print the nvcc flags, one per line, and exit (compiles nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 NVCC=${NVCC:-nvcc}
+print_only=0
+if [ "${1:-}" = "--print-flags" ]; then print_only=1; shift; fi
 OUT=${1:-build/compile_check}
 mkdir -p "$OUT"
-TORCH_INC=$("$PYTHON" -c 'import torch.utils.cpp_extension as c; print(" ".join(c.include_paths()))')
-PY_INC=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-ABI=$("$PYTHON" -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
-INCS=(-Icsrc/include -I"$PY_INC")
-for d in $TORCH_INC; do INCS+=(-I"$d"); done
-# The CPU wheel lacks one generated header of c10/cuda; provide it (what a CUDA build generates).
-if ! "$PYTHON" -c 'import os, sys, torch.utils.cpp_extension as c; sys.exit(0 if any(os.path.exists(os.path.join(d, "c10/cuda/impl/cuda_cmake_macros.h")) for d in c.include_paths()) else 1)'; then
-  mkdir -p "$OUT/stub_include/c10/cuda/impl"
-  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$OUT/stub_include/c10/cuda/impl/cuda_cmake_macros.h"
-  INCS+=(-I"$OUT/stub_include")
-fi
-FLAGS=(-O3 -std=c++17 --use_fast_math -gencode arch=compute_90,code=sm_90
-       -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI="$ABI" -Xcompiler -fPIC
-       -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__
-       -U__CUDA_NO_BFLOAT16_CONVERSIONS__ -U__CUDA_NO_HALF2_OPERATORS__)
+# Ours: optimisation, language, -gencode per arch (the module says why if the arch list is bad).
+archs=(--archs check)
+[ -z "${TOKENWEAVE_CUDA_ARCHS:-}" ] || archs=()  # the module reads it
+mapfile -t OURS < <("$PYTHON" megatron_tokenweave/build_flags.py nvcc "${archs[@]}")
+[ "${#OURS[@]}" -gt 0 ] || { echo "no flags from megatron_tokenweave/build_flags.py"; exit 2; }
+# torch's: its include dirs, the defines BuildExtension adds, the C++ ABI, and whether the CPU
+# wheel lacks the one generated header of c10/cuda (then provide it: what a CUDA build generates).
+mapfile -t TORCH < <("$PYTHON" - <<'EOF'
+import os, sysconfig, torch, torch.utils.cpp_extension as c
+inc = c.include_paths()
+print(*("-I" + d for d in [sysconfig.get_paths()["include"], *inc]), sep="\n")
+print(*c.COMMON_NVCC_FLAGS, sep="\n")
+print(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+if not any(os.path.exists(os.path.join(d, "c10/cuda/impl/cuda_cmake_macros.h")) for d in inc):
+    print("NEED_CMAKE_MACROS_STUB")
+EOF
+)
+[ "${#TORCH[@]}" -gt 0 ] || { echo "no include dirs from torch (can $PYTHON import it?)"; exit 2; }
+FLAGS=("${OURS[@]}" -DTORCH_EXTENSION_NAME=_C -Xcompiler -fPIC -Icsrc/include)
+for f in "${TORCH[@]}"; do
+  if [ "$f" = NEED_CMAKE_MACROS_STUB ]; then
+    mkdir -p "$OUT/stub_include/c10/cuda/impl"
+    printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' \
+      > "$OUT/stub_include/c10/cuda/impl/cuda_cmake_macros.h"
+    FLAGS+=(-I"$OUT/stub_include")
+  else
+    FLAGS+=("$f")
+  fi
+done
+if [ "$print_only" -eq 1 ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi
+echo "nvcc flags: ${OURS[*]}"
 status=0
+keep="$OUT/keep"
 for src in csrc/*.cu; do
   obj="$OUT/$(basename "${src%.cu}").o"
   echo "nvcc $src -> $obj"
-  if ! "$NVCC" "${FLAGS[@]}" "${INCS[@]}" -Xptxas -v -c "$src" -o "$obj" 2> "$obj.log"; then
+  extra=()
+  # ops.cu's intermediate files are kept for the PTX check below (saves a separate -ptx pass).
+  if [ "$src" = csrc/ops.cu ]; then
+    rm -rf "$keep"; mkdir -p "$keep"; extra=(-keep -keep-dir "$keep")
+  fi
+  if ! "$NVCC" "${FLAGS[@]}" -Xptxas -v "${extra[@]}" -c "$src" -o "$obj" 2> "$obj.log"; then
     cat "$obj.log"; status=1
-  elif grep -q "bytes spill" "$obj.log" && grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$obj.log"; then
+  elif grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$obj.log"; then
     echo "note: register spills above (not an error)"
   fi
 done
-# PTX of the multimem kernels: must contain the NVLink SHARP instructions (compiled, never run).
-ptx="$OUT/ops.ptx"
-if "$NVCC" "${FLAGS[@]/code=sm_90/code=compute_90}" "${INCS[@]}" -ptx csrc/ops.cu -o "$ptx"; then
-  for insn in multimem.ld_reduce multimem.st; do
-    n=$(grep -c "$insn" "$ptx" || true)
-    echo "$insn: $n occurrences in $ptx"
-    [ "$n" -gt 0 ] || { echo "missing $insn in PTX"; status=1; }
+# PTX of the multimem kernels for sm_90: must contain the NVLink SHARP instructions (compiled,
+# never run; below sm_90 they are traps).
+ptx="$OUT/ops.sm90.ptx"
+rm -f "$ptx"
+if [[ " ${OURS[*]} " != *compute_90,* ]]; then
+  echo "note: 90 is not among the archs: no multimem PTX check"
+elif [ "$status" -eq 0 ]; then
+  for f in "$keep"/*.ptx; do  # nvcc names it by the number of archs: pick it by its target
+    if [ -f "$f" ] && grep -q -m1 "^\.target sm_90\b" "$f"; then mv "$f" "$ptx"; break; fi
   done
-else
-  status=1
+  if [ -f "$ptx" ]; then
+    for insn in multimem.ld_reduce multimem.st; do
+      n=$(grep -c "$insn" "$ptx" || true)
+      echo "$insn: $n occurrences in $ptx"
+      [ "$n" -gt 0 ] || { echo "missing $insn in PTX"; status=1; }
+    done
+  else
+    echo "no sm_90 PTX of ops.cu in $keep"; status=1
+  fi
 fi
+rm -rf "$keep"
 [ "$status" -eq 0 ] && echo "compile check OK" || echo "compile check FAILED"
 exit "$status"

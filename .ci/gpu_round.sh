@@ -8,7 +8,7 @@
 # Results and per-step logs under $OUT. Phases, one or more per call (`gpu_round.sh moe_tests
 # moe_bench`; each phase fits one 10-minute device call):
 #   tune   split-policy tables for the 70B/Qwen shapes (hidden 8192), both layouts, graph and
-#          eager, on TE (4-layer blocks since session 7: one call per model); copied to
+#          eager, on TE (4-layer blocks: one call per model); copied to
 #          $OUT/tables (commit them as megatron_tokenweave/tables/)
 #   tune8b the same for the 8B shapes (hidden 4096)
 #   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then

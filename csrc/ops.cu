@@ -1,19 +1,27 @@
 // torch.library bindings of the fused all-reduce + residual add + RMSNorm kernels.
-// Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; the CUDA
-// implementations are registered with TORCH_LIBRARY_IMPL; fake implementations live in Python
-// (megatron_tokenweave/kernels/_ext.py). The Python wrapper validates first and raises
-// TokenWeaveInputError; the TORCH_CHECKs below are the last line of defence. No host sync, no
-// allocation: the ops only enqueue kernels (one; the copy-engine op: barrier kernels, copies and
-// one kernel) on the current stream (CUDA-graph capturable).
+//
+// A Communicator (one per TP group, dtype, hidden size and device: megatron_tokenweave.
+// communicator) owns everything that describes the symmetric buffer and the data-path settings
+// every rank agreed on when it was created; Python holds it as an integer handle (comm_create /
+// comm_destroy). The op takes that handle, the tensors and a few scalars:
+//   fused_allreduce_rmsnorm(comm, partial, residual, weight?, eps, residual_out!, normed_out?!,
+//                           ctas, path, phase)
+// Nothing here reads the environment: a setting that changes the protocol must be the same on
+// every rank, so it is agreed once, in Python, and stored in the Communicator.
+// Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; fake
+// implementations live in Python (megatron_tokenweave/kernels/_ext.py). The Python side validates
+// first and raises TokenWeaveInputError; the TORCH_CHECKs below are the last line of defence.
+// No host sync, no allocation: the op only enqueues kernels (the copy-engine op: barrier kernels,
+// copies and one kernel) on the current stream (CUDA-graph capturable).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "tokenweave/copy_engine.cuh"
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
@@ -21,7 +29,43 @@
 #include "tokenweave/oneshot.cuh"
 
 namespace tokenweave {
+
+// Data paths of one call (the op's `path` argument; the Python names are in
+// megatron_tokenweave/kernels/comm.py): the SM-driven kernels (one-shot, bulk copies or
+// registers, chosen below by size and the communicator's settings; multimem instead where the
+// communicator has a multicast address), or the copy-engine op.
+enum Path : int64_t { kPathSm = 0, kPathCopyEngine = 1 };
+
+// What every rank of a TP group agreed on for one symmetric buffer. Owned by Python through an
+// integer handle (vLLM keeps its custom all-reduce the same way); the tensors it holds stay alive
+// as long as it does.
+struct Communicator {
+  static constexpr uint64_t kMagic = 0x74776561766563ull;  // "tweavec": a handle, not garbage
+  uint64_t magic = kMagic;
+  at::Tensor bases;       // device int64 [2 * world]: data-region bases, then signal-pad bases
+  int64_t rank = 0, world = 0, local_base = 0, buffer_bytes = 0, timeout_ns = 0;
+  int device = 0;
+  bool bulk = true;               // the bulk-copy pipeline where its stages fit (sm_90 only)
+  bool oneshot = true;            // the one-shot path for small replicated calls
+  bool local_stores_only = false; // benchmark diagnostic (wrong results): no remote normed stores
+  int64_t multicast_base = 0;     // multimem data path (never set on this project's machines)
+  // Copy-engine path (comm_attach_mirror): the kernel's sources, the mirror, its layout.
+  at::Tensor sources, mirror;
+  std::vector<int64_t> peer_data, mirrors;
+  int64_t mirror_bytes = 0;
+};
+
+// Bits of comm_create's `flags`.
+enum Flags : int64_t { kFlagBulk = 1, kFlagOneShot = 2, kFlagLocalStoresOnly = 4 };
+
 namespace {
+
+Communicator& comm_of(int64_t handle) {
+  auto* c = reinterpret_cast<Communicator*>(handle);
+  TORCH_CHECK(c != nullptr && c->magic == Communicator::kMagic,
+              "tokenweave: not a live communicator handle (destroyed, or never created)");
+  return *c;
+}
 
 struct LaunchShape {
   int vpt;
@@ -47,35 +91,33 @@ void check_aligned(const at::Tensor& t, const char* name) {
               " is not 16-byte aligned");
 }
 
-void check_in_buffer(const at::Tensor& t, const char* name, int64_t local_base,
-                     int64_t buffer_bytes, int64_t extent_bytes) {
-  const int64_t off = reinterpret_cast<int64_t>(t.data_ptr()) - local_base;
-  TORCH_CHECK(off >= 0 && off + extent_bytes <= buffer_bytes, "tokenweave: ", name,
+void check_in_buffer(const at::Tensor& t, const char* name, const Communicator& c,
+                     int64_t extent_bytes) {
+  const int64_t off = reinterpret_cast<int64_t>(t.data_ptr()) - c.local_base;
+  TORCH_CHECK(off >= 0 && off + extent_bytes <= c.buffer_bytes, "tokenweave: ", name,
               " is not inside the symmetric buffer (offset ", off, ", extent ", extent_bytes,
-              ", buffer ", buffer_bytes, " bytes)");
+              ", buffer ", c.buffer_bytes, " bytes)");
   TORCH_CHECK(off % kVecBytes == 0, "tokenweave: ", name, " is not 16-byte aligned");
 }
 
-FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
-                        const std::optional<at::Tensor>& weight, double eps,
-                        at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                        bool sequence_parallel, const at::Tensor& bases, int64_t rank,
-                        int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas,
-                        int64_t timeout_ns) {
+// The layout follows from partial's chunks: `world` (sequence parallel: chunk r is reduced onto
+// rank r) or 1 (replicated).
+FusedParams make_params(const Communicator& c, const at::Tensor& partial,
+                        const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+                        double eps, at::Tensor& residual_out,
+                        const std::optional<at::Tensor>& normed_out, int64_t ctas) {
   TORCH_CHECK(partial.is_cuda() && partial.dim() == 3 && partial.is_contiguous(),
               "tokenweave: partial must be a contiguous [chunks, rows, hidden] CUDA tensor");
+  TORCH_CHECK(partial.get_device() == c.device, "tokenweave: partial is on cuda:",
+              partial.get_device(), ", the communicator on cuda:", c.device);
   const auto dt = partial.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "tokenweave: dtype must be bf16 or fp16");
-  TORCH_CHECK(world >= 2 && world <= kMaxRanks, "tokenweave: world size ", world,
-              " out of range 2..", kMaxRanks);
-  TORCH_CHECK(rank >= 0 && rank < world, "tokenweave: bad rank ", rank);
   TORCH_CHECK(ctas >= 1 && ctas <= kMaxCtas, "tokenweave: ctas ", ctas, " out of range 1..",
               kMaxCtas);
-  TORCH_CHECK(bases.is_cuda() && bases.scalar_type() == at::kLong && bases.numel() == 2 * world,
-              "tokenweave: bases must be a CUDA int64 tensor of 2 * world entries");
   const int64_t chunks = partial.size(0), rows = partial.size(1), hidden = partial.size(2);
-  TORCH_CHECK(chunks == (sequence_parallel ? world : 1), "tokenweave: partial has ", chunks,
-              " chunks");
+  TORCH_CHECK(chunks == c.world || chunks == 1, "tokenweave: partial has ", chunks,
+              " chunks: ", c.world, " (sequence parallel) or 1 (replicated)");
+  const bool sequence_parallel = chunks == c.world;
   TORCH_CHECK(hidden % kVecElems == 0, "tokenweave: hidden must be a multiple of 8");
   TORCH_CHECK(rows < (int64_t{1} << 31) / 4, "tokenweave: too many rows");
   const int64_t es = partial.element_size();
@@ -86,23 +128,22 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
                 "dtype on its device");
     check_aligned(*t, "residual/residual_out");
   }
-  check_in_buffer(partial, "partial", local_base, buffer_bytes, chunks * rows * hidden * es);
+  check_in_buffer(partial, "partial", c, chunks * rows * hidden * es);
 
   FusedParams p{};
-  p.bases = bases.data_ptr<int64_t>();
-  p.partial_off = reinterpret_cast<int64_t>(partial.data_ptr()) - local_base;
+  p.bases = c.bases.data_ptr<int64_t>();
+  p.partial_off = reinterpret_cast<int64_t>(partial.data_ptr()) - c.local_base;
   p.partial_cstride = rows * hidden * es;
   p.residual = residual.data_ptr();
   p.residual_out = residual_out.data_ptr();
   p.rows = static_cast<int>(rows);
   p.hidden = static_cast<int>(hidden);
-  p.rank = static_cast<int>(rank);
-  p.world = static_cast<int>(world);
+  p.rank = static_cast<int>(c.rank);
+  p.world = static_cast<int>(c.world);
   p.sequence_parallel = sequence_parallel ? 1 : 0;
   p.eps = static_cast<float>(eps);
-  p.timeout_ns = static_cast<uint64_t>(timeout_ns);
-  const char* dbg = std::getenv("TOKENWEAVE_DEBUG_LOCAL_STORES");
-  p.debug_local_stores = (dbg != nullptr && dbg[0] == '1') ? 1 : 0;
+  p.timeout_ns = static_cast<uint64_t>(c.timeout_ns);
+  p.local_stores_only = c.local_stores_only ? 1 : 0;
   if (weight.has_value()) {
     TORCH_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
     const at::Tensor& w = *weight;
@@ -121,10 +162,10 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
     if (sequence_parallel) {
       TORCH_CHECK(chunks == 1 || no.stride(0) >= 0, "tokenweave: negative normed_out stride");
       const int64_t extent = ((chunks - 1) * no.stride(0) + rows * hidden) * es;
-      check_in_buffer(no, "normed_out", local_base, buffer_bytes, extent);
+      check_in_buffer(no, "normed_out", c, extent);
       TORCH_CHECK((no.stride(0) * es) % kVecBytes == 0,
                   "tokenweave: normed_out chunk stride must be a multiple of 16 bytes");
-      p.normed_off = reinterpret_cast<int64_t>(no.data_ptr()) - local_base;
+      p.normed_off = reinterpret_cast<int64_t>(no.data_ptr()) - c.local_base;
       p.normed_cstride = no.stride(0) * es;
     } else {
       p.normed_local = no.data_ptr();
@@ -135,13 +176,12 @@ FusedParams make_params(const at::Tensor& partial, const at::Tensor& residual,
   return p;
 }
 
-// Stages of the bulk-copy pipeline for this shape, or 0 to use the register path: fewer than 2
-// stages of `world` + 1 rows fit in kStageSmemBytes, or TOKENWEAVE_NO_BULK=1 (read at every launch;
-// for benchmarks and debugging).
-int bulk_stages(int world, int64_t hidden, int64_t elem_bytes) {
-  const char* off = std::getenv("TOKENWEAVE_NO_BULK");
-  if (off != nullptr && off[0] == '1') return 0;
-  const int64_t stage = (world + 1) * hidden * elem_bytes;
+// Stages of the bulk-copy pipeline for this shape, or 0 to use the register path: the
+// communicator has the pipeline off (a setting, or a GPU before sm_90), or fewer than 2 stages of
+// `world` + 1 rows fit in kStageSmemBytes.
+int bulk_stages(const Communicator& c, int64_t hidden, int64_t elem_bytes) {
+  if (!c.bulk) return 0;
+  const int64_t stage = (c.world + 1) * hidden * elem_bytes;
   const int64_t n = kStageSmemBytes / stage;
   return n < 2 ? 0 : static_cast<int>(n < kMaxStages ? n : kMaxStages);
 }
@@ -196,11 +236,21 @@ void check_launch() {
 
 int grid_of(int64_t units, int64_t ctas) { return static_cast<int>(units < ctas ? units : ctas); }
 
+// Calls f(T) with T the CUDA type of `dt` (bf16 or fp16; make_params checked it).
+template <typename F>
+void with_dtype(at::ScalarType dt, F&& f) {
+  if (dt == at::kBFloat16)
+    f(__nv_bfloat16{});
+  else
+    f(__half{});
+}
+
 // The SM-driven barrier paths: the bulk-copy pipeline where its stages fit, else registers.
 template <typename T>
-void launch_p2p(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
+void launch_barrier_path(const Communicator& c, const FusedParams& p, int64_t ctas,
+                         cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
-  const int stages = bulk_stages(p.world, p.hidden, sizeof(T));
+  const int stages = bulk_stages(c, p.hidden, sizeof(T));
   with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
     constexpr int NP = decltype(np_c)::value, VPT = decltype(vpt_c)::value;
     if (stages > 0) {
@@ -215,12 +265,10 @@ void launch_p2p(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
 }
 
 // The one-shot path takes replicated-layout calls whose P rows per row fit one receive buffer,
-// unless TOKENWEAVE_NO_ONESHOT=1 (read at every launch; benchmarks and tests).
-bool use_oneshot(const FusedParams& p, int64_t elem_bytes) {
-  const char* off = std::getenv("TOKENWEAVE_NO_ONESHOT");
-  if (off != nullptr && off[0] == '1') return false;
-  return !p.sequence_parallel && p.world * static_cast<int64_t>(p.rows) * p.hidden * elem_bytes <=
-                                     kOneShotRoundBytes;
+// where the communicator allows it.
+bool use_oneshot(const Communicator& c, const FusedParams& p, int64_t elem_bytes) {
+  return c.oneshot && !p.sequence_parallel &&
+         p.world * static_cast<int64_t>(p.rows) * p.hidden * elem_bytes <= kOneShotRoundBytes;
 }
 
 template <typename T>
@@ -233,6 +281,7 @@ void launch_oneshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   check_launch();
 }
 
+// UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.
 template <typename T>
 void launch_multimem(const FusedParams& p, int64_t ctas, char* mc, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
@@ -244,82 +293,35 @@ void launch_multimem(const FusedParams& p, int64_t ctas, char* mc, cudaStream_t 
   check_launch();
 }
 
-}  // namespace
-
-void fused_allreduce_rmsnorm(const at::Tensor& partial, const at::Tensor& residual,
-                             const std::optional<at::Tensor>& weight, double eps,
-                             at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                             bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal,
-                             int64_t rank, int64_t world, int64_t local_base,
-                             int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns) {
-  (void)signal;  // the kernel reaches the pads through `bases`; the argument orders the op
-  const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
-                                    sequence_parallel, bases, rank, world, local_base,
-                                    buffer_bytes, ctas, timeout_ns);
-  if (p.rows == 0) return;
-  c10::cuda::CUDAGuard guard(partial.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
-  const bool bf16 = partial.scalar_type() == at::kBFloat16;
-  if (use_oneshot(p, partial.element_size())) {
-    if (bf16)
-      launch_oneshot<__nv_bfloat16>(p, ctas, stream);
-    else
-      launch_oneshot<__half>(p, ctas, stream);
-  } else if (bf16) {
-    launch_p2p<__nv_bfloat16>(p, ctas, stream);
-  } else {
-    launch_p2p<__half>(p, ctas, stream);
-  }
+template <typename T>
+void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaStream_t stream) {
+  if (c.multicast_base != 0)
+    launch_multimem<T>(p, ctas, reinterpret_cast<char*>(c.multicast_base), stream);
+  else if (use_oneshot(c, p, sizeof(T)))
+    launch_oneshot<T>(p, ctas, stream);
+  else
+    launch_barrier_path<T>(c, p, ctas, stream);
 }
 
-// The copy-engine data path (copy_engine.cuh). `sources`: device int64 [2 * world], the fused
-// kernel's bases on this path (data: the mirror of q, or this rank's data base at q = rank; then
-// the signal pads); `peer_data`: every rank's data base (host; entry `rank` = local_base);
-// `mirrors`: this rank's mirror of each rank (host; entry `rank` unused), each `mirror_bytes`
-// long inside `mirror`, 16-byte aligned.
-void fused_allreduce_rmsnorm_copy_engine(
-    const at::Tensor& partial, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
-    double eps, at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-    bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal, int64_t rank,
-    int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns,
-    const at::Tensor& sources, at::Tensor& mirror, at::IntArrayRef peer_data,
-    at::IntArrayRef mirrors, int64_t mirror_bytes, int64_t phase) {
-  (void)signal;
-  const bool gather_normed = sequence_parallel && weight.has_value();
+// The copy-engine data path (copy_engine.cuh): `c.sources` are the fused kernel's bases on this
+// path (data: the mirror of q, or this rank's data base at q = rank; then the signal pads);
+// `c.peer_data` every rank's data base; `c.mirrors` this rank's mirror of each rank.
+template <typename T>
+void launch_copy_engine(const Communicator& c, const FusedParams& p, int64_t ctas, int64_t phase,
+                        cudaStream_t stream) {
+  const bool gather_normed = p.sequence_parallel && p.weight != nullptr;
+  TORCH_CHECK(c.mirror_bytes > 0, "tokenweave: the copy-engine path needs the communicator's "
+              "mirror (comm_attach_mirror)");
   TORCH_CHECK(phase == kCeWhole || phase == kCeTransfer || phase == kCeReduce,
               "tokenweave: copy-engine phase must be 0 (whole), 1 (transfer) or 2 (reduce), got ",
               phase);
   TORCH_CHECK(phase == kCeWhole || !gather_normed,
               "tokenweave: the copy-engine op runs in two phases only when it gathers no normed "
               "rows (replicated layout, or no norm)");
-  const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
-                                    sequence_parallel, bases, rank, world, local_base,
-                                    buffer_bytes, ctas, timeout_ns);
-  TORCH_CHECK(sources.is_cuda() && sources.scalar_type() == at::kLong &&
-                  sources.numel() == 2 * world,
-              "tokenweave: sources must be a CUDA int64 tensor of 2 * world entries");
-  TORCH_CHECK(static_cast<int64_t>(peer_data.size()) == world &&
-                  static_cast<int64_t>(mirrors.size()) == world,
-              "tokenweave: peer_data and mirrors need one entry per rank");
-  TORCH_CHECK(sources.device() == partial.device() && mirror.device() == partial.device(),
-              "tokenweave: sources and mirror must be on partial's device");
-  TORCH_CHECK(peer_data[rank] == local_base, "tokenweave: peer_data[rank] is not local_base");
-  const int64_t mirror_base = reinterpret_cast<int64_t>(mirror.data_ptr());
-  const int64_t mirror_end = mirror_base + mirror.numel() * mirror.element_size();
-  for (int64_t q = 0; q < world; ++q)
-    TORCH_CHECK(q == rank || (mirrors[q] >= mirror_base && mirrors[q] % kVecBytes == 0 &&
-                              mirrors[q] + mirror_bytes <= mirror_end),
-                "tokenweave: the mirror of rank ", q,
-                " is not a 16-byte aligned region inside the mirror tensor");
-  if (p.rows == 0) return;
-  const int64_t es = partial.element_size();
-  const int64_t bytes = static_cast<int64_t>(p.rows) * p.hidden * es;  // one chunk's rows
-  const int64_t src_off = p.partial_off + (sequence_parallel ? rank : 0) * p.partial_cstride;
-  TORCH_CHECK(src_off + bytes <= mirror_bytes, "tokenweave: partial rows end at byte ",
-              src_off + bytes, " of the data region, past the mirrored ", mirror_bytes);
-  c10::cuda::CUDAGuard guard(partial.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
-  const int64_t* pads = bases.data_ptr<int64_t>() + world;
+  const int64_t bytes = static_cast<int64_t>(p.rows) * p.hidden * sizeof(T);  // one chunk's rows
+  const int64_t src_off = p.partial_off + (p.sequence_parallel ? p.rank : 0) * p.partial_cstride;
+  TORCH_CHECK(src_off + bytes <= c.mirror_bytes, "tokenweave: partial rows end at byte ",
+              src_off + bytes, " of the data region, past the mirrored ", c.mirror_bytes);
   auto copy = [&](int64_t dst, int64_t src) {
     const cudaError_t err =
         cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
@@ -327,90 +329,181 @@ void fused_allreduce_rmsnorm_copy_engine(
     TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaMemcpyAsync failed: ",
                 cudaGetErrorString(err));
   };
-  auto barrier = [&](int which) {
+  // Barriers after which nothing else of this call writes outputs poison them on failure.
+  auto barrier = [&](int which, bool poison) {
+    const int flag = poison ? 1 : 0;
     if (which == kCeStart)
-      copy_engine_barrier_kernel<kCeStart><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+      copy_engine_barrier_kernel<kCeStart><<<1, 32, 0, stream>>>(p, nan_pair<T>(), flag);
     else if (which == kCeMid)
-      copy_engine_barrier_kernel<kCeMid><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+      copy_engine_barrier_kernel<kCeMid><<<1, 32, 0, stream>>>(p, nan_pair<T>(), flag);
     else
-      copy_engine_barrier_kernel<kCeEnd><<<1, 32, 0, stream>>>(pads, rank, world, timeout_ns);
+      copy_engine_barrier_kernel<kCeEnd><<<1, 32, 0, stream>>>(p, nan_pair<T>(), flag);
     check_launch();
   };
 
   if (phase != kCeReduce) {
-    barrier(kCeStart);
-    for (int64_t q = 0; q < world; ++q)
-      if (q != rank) copy(mirrors[q] + src_off, peer_data[q] + src_off);
+    barrier(kCeStart, false);
+    for (int64_t q = 0; q < c.world; ++q)
+      if (q != c.rank) copy(c.mirrors[q] + src_off, c.peer_data[q] + src_off);
     if (phase == kCeTransfer) {  // every peer has pulled my rows: the rest is local
-      barrier(kCeEnd);
+      barrier(kCeEnd, false);   // the reduce phase's kernel poisons
       return;
     }
   }
   FusedParams local = p;
-  local.bases = sources.data_ptr<int64_t>();
+  local.bases = c.sources.data_ptr<int64_t>();
   local.copy_engine = 1;
-  if (partial.scalar_type() == at::kBFloat16)
-    launch_p2p<__nv_bfloat16>(local, ctas, stream);
-  else
-    launch_p2p<__half>(local, ctas, stream);
+  launch_barrier_path<T>(c, local, ctas, stream);
   if (gather_normed) {  // pull every peer's normed chunk
-    barrier(kCeMid);
-    for (int64_t q = 0; q < world; ++q) {
+    barrier(kCeMid, true);
+    for (int64_t q = 0; q < c.world; ++q) {
       const int64_t normed = p.normed_off + q * p.normed_cstride;
-      if (q != rank) copy(local_base + normed, peer_data[q] + normed);
+      if (q != c.rank) copy(c.local_base + normed, c.peer_data[q] + normed);
     }
   }
-  if (phase == kCeWhole) barrier(kCeEnd);
+  if (phase == kCeWhole) barrier(kCeEnd, true);
 }
 
-// UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.
-void fused_allreduce_rmsnorm_multimem(
-    const at::Tensor& partial, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
-    double eps, at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-    bool sequence_parallel, const at::Tensor& bases, at::Tensor& signal, int64_t rank,
-    int64_t world, int64_t local_base, int64_t buffer_bytes, int64_t ctas, int64_t timeout_ns,
-    int64_t multicast_base) {
-  (void)signal;
-  TORCH_CHECK(multicast_base != 0, "tokenweave: multimem needs a multicast address");
-  const FusedParams p = make_params(partial, residual, weight, eps, residual_out, normed_out,
-                                    sequence_parallel, bases, rank, world, local_base,
-                                    buffer_bytes, ctas, timeout_ns);
+}  // namespace
+
+// A communicator over the symmetric buffer whose bases are `bases` (device int64 [2 * world]).
+// `flags`: Flags bits; `multicast_base`: 0, or the multimem path's address (opt-in, untested
+// here). Paths that need sm_90 instructions are refused (multimem) or left out (the bulk
+// pipeline: the register path runs instead) on an older GPU.
+int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_t local_base,
+                    int64_t buffer_bytes, int64_t timeout_ns, int64_t flags,
+                    int64_t multicast_base) {
+  TORCH_CHECK(world >= 2 && world <= kMaxRanks, "tokenweave: world size ", world,
+              " out of range 2..", kMaxRanks);
+  TORCH_CHECK(rank >= 0 && rank < world, "tokenweave: bad rank ", rank);
+  TORCH_CHECK(bases.is_cuda() && bases.scalar_type() == at::kLong && bases.numel() == 2 * world &&
+                  bases.is_contiguous(),
+              "tokenweave: bases must be a contiguous CUDA int64 tensor of 2 * world entries");
+  TORCH_CHECK(buffer_bytes > 0 && timeout_ns > 0, "tokenweave: buffer_bytes and timeout_ns must "
+              "be positive");
+  int major = 0;
+  const int device = bases.get_device();
+  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                  cudaSuccess,
+              "tokenweave: cudaDeviceGetAttribute failed");
+  TORCH_CHECK(multicast_base == 0 || major >= 9,
+              "tokenweave: the multimem path needs sm_90 or newer (this GPU is sm_", major, "x)");
+  auto* c = new Communicator();
+  c->bases = bases;
+  c->rank = rank;
+  c->world = world;
+  c->local_base = local_base;
+  c->buffer_bytes = buffer_bytes;
+  c->timeout_ns = timeout_ns;
+  c->device = device;
+  c->bulk = (flags & kFlagBulk) != 0 && major >= 9;  // mbarrier + cp.async.bulk are sm_90
+  c->oneshot = (flags & kFlagOneShot) != 0;
+  c->local_stores_only = (flags & kFlagLocalStoresOnly) != 0;
+  c->multicast_base = multicast_base;
+  return reinterpret_cast<int64_t>(c);
+}
+
+// The copy-engine path's mirror: `sources` (device int64 [2 * world]), `mirror` (this rank's
+// local copies of the peers' rows), `peer_data` (every rank's data base; entry `rank` =
+// local_base), `mirrors` (this rank's mirror of each rank, `mirror_bytes` long, inside `mirror`).
+void comm_attach_mirror(int64_t handle, const at::Tensor& sources, const at::Tensor& mirror,
+                        at::IntArrayRef peer_data, at::IntArrayRef mirrors, int64_t mirror_bytes) {
+  Communicator& c = comm_of(handle);
+  TORCH_CHECK(sources.is_cuda() && sources.scalar_type() == at::kLong &&
+                  sources.numel() == 2 * c.world && sources.get_device() == c.device,
+              "tokenweave: sources must be a CUDA int64 tensor of 2 * world entries on the "
+              "communicator's device");
+  TORCH_CHECK(mirror.is_cuda() && mirror.get_device() == c.device,
+              "tokenweave: the mirror must be on the communicator's device");
+  TORCH_CHECK(static_cast<int64_t>(peer_data.size()) == c.world &&
+                  static_cast<int64_t>(mirrors.size()) == c.world,
+              "tokenweave: peer_data and mirrors need one entry per rank");
+  TORCH_CHECK(peer_data[c.rank] == c.local_base, "tokenweave: peer_data[rank] is not local_base");
+  TORCH_CHECK(mirror_bytes > 0 && mirror_bytes <= c.buffer_bytes,
+              "tokenweave: mirror_bytes must be in (0, buffer_bytes]");
+  const int64_t mirror_base = reinterpret_cast<int64_t>(mirror.data_ptr());
+  const int64_t mirror_end = mirror_base + mirror.numel() * mirror.element_size();
+  for (int64_t q = 0; q < c.world; ++q)
+    TORCH_CHECK(q == c.rank || (mirrors[q] >= mirror_base && mirrors[q] % kVecBytes == 0 &&
+                                mirrors[q] + mirror_bytes <= mirror_end),
+                "tokenweave: the mirror of rank ", q,
+                " is not a 16-byte aligned region inside the mirror tensor");
+  c.sources = sources;
+  c.mirror = mirror;
+  c.peer_data.assign(peer_data.begin(), peer_data.end());
+  c.mirrors.assign(mirrors.begin(), mirrors.end());
+  c.mirror_bytes = mirror_bytes;
+}
+
+void comm_destroy(int64_t handle) {
+  Communicator* c = &comm_of(handle);
+  c->magic = 0;
+  delete c;
+}
+
+// Queue a copy of this rank's error words (SignalPad.error: code, peer, slot, epoch) into `host`
+// (pinned int32 [4]) on the current stream: no host synchronisation, and captured into a CUDA
+// graph like any copy, so every replay refreshes them. The host reads them later and raises.
+void comm_copy_errors(int64_t handle, at::Tensor& host) {
+  const Communicator& c = comm_of(handle);
+  TORCH_CHECK(host.device().is_cpu() && host.is_pinned() && host.scalar_type() == at::kInt &&
+                  host.numel() == 4 && host.is_contiguous(),
+              "tokenweave: the error words' destination must be a pinned int32 tensor of 4");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device).stream();
+  const void* pad = reinterpret_cast<const void*>(c.local_base - kHeaderBytes);
+  const cudaError_t err =
+      cudaMemcpyAsync(host.data_ptr(), pad, 4 * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream);
+  TORCH_CHECK(err == cudaSuccess, "tokenweave: copying the error words failed: ",
+              cudaGetErrorString(err));
+}
+
+// y = sum over the group of partial + residual -> residual_out; RMSNorm(y) * weight -> normed_out.
+// `path`: Path; `phase`: CopyEnginePhase (the copy-engine path only; 0 elsewhere).
+void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& partial, const at::Tensor& residual,
+                             const std::optional<at::Tensor>& weight, double eps,
+                             at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+                             int64_t ctas, int64_t path, int64_t phase) {
+  const Communicator& c = comm_of(handle);
+  TORCH_CHECK(path == kPathSm || path == kPathCopyEngine, "tokenweave: path must be 0 (SM) or 1 "
+              "(copy engine), got ", path);
+  TORCH_CHECK(path == kPathCopyEngine || phase == kCeWhole,
+              "tokenweave: only the copy-engine path runs in phases");
+  const FusedParams p =
+      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas);
   if (p.rows == 0) return;
   c10::cuda::CUDAGuard guard(partial.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
-  char* mc = reinterpret_cast<char*>(multicast_base);
-  if (partial.scalar_type() == at::kBFloat16)
-    launch_multimem<__nv_bfloat16>(p, ctas, mc, stream);
-  else
-    launch_multimem<__half>(p, ctas, mc, stream);
+  with_dtype(partial.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    if (path == kPathCopyEngine)
+      launch_copy_engine<T>(c, p, ctas, phase, stream);
+    else
+      launch_sm<T>(c, p, ctas, stream);
+  });
 }
 
 }  // namespace tokenweave
 
 TORCH_LIBRARY(tokenweave, m) {
   m.def(
-      "fused_allreduce_rmsnorm(Tensor partial, Tensor residual, Tensor? weight, float eps, "
-      "Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, Tensor bases, "
-      "Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, int ctas, "
-      "int timeout_ns) -> ()");
+      "comm_create(Tensor bases, int rank, int world, int local_base, int buffer_bytes, "
+      "int timeout_ns, int flags, int multicast_base) -> int");
   m.def(
-      "fused_allreduce_rmsnorm_multimem(Tensor partial, Tensor residual, Tensor? weight, "
-      "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, "
-      "Tensor bases, Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, "
-      "int ctas, int timeout_ns, int multicast_base) -> ()");
+      "comm_attach_mirror(int comm, Tensor sources, Tensor mirror, int[] peer_data, "
+      "int[] mirrors, int mirror_bytes) -> ()");
+  m.def("comm_destroy(int comm) -> ()", &tokenweave::comm_destroy);
+  m.def("comm_copy_errors(int comm, Tensor(a!) host) -> ()", &tokenweave::comm_copy_errors);
   m.def(
-      "fused_allreduce_rmsnorm_copy_engine(Tensor partial, Tensor residual, Tensor? weight, "
-      "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, bool sequence_parallel, "
-      "Tensor bases, Tensor(c!) signal, int rank, int world, int local_base, int buffer_bytes, "
-      "int ctas, int timeout_ns, Tensor sources, Tensor(d!) mirror, int[] peer_data, "
-      "int[] mirrors, int mirror_bytes, int phase) -> ()");
+      "fused_allreduce_rmsnorm(int comm, Tensor partial, Tensor residual, Tensor? weight, "
+      "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, int ctas, int path, "
+      "int phase) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {
+  m.impl("comm_create", &tokenweave::comm_create);
+  m.impl("comm_attach_mirror", &tokenweave::comm_attach_mirror);
   m.impl("fused_allreduce_rmsnorm", &tokenweave::fused_allreduce_rmsnorm);
-  m.impl("fused_allreduce_rmsnorm_multimem", &tokenweave::fused_allreduce_rmsnorm_multimem);
-  m.impl("fused_allreduce_rmsnorm_copy_engine",
-         &tokenweave::fused_allreduce_rmsnorm_copy_engine);
 }
 
 #ifdef TORCH_EXTENSION_NAME

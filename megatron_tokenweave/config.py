@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_tokenweave.ops.validate import COMMS, MAX_CTAS, Comm
@@ -12,6 +12,9 @@ from megatron_tokenweave.ops.validate import COMMS, MAX_CTAS, Comm
 Backend = Literal["auto", "kernel", "reference"]
 _BACKENDS = ("auto", "kernel", "reference")
 ENV_PREFIX = "TOKENWEAVE_"
+# The fields a tuning table can fill (split_threshold through an entry's `split`): only where the
+# user left them unset.
+TABLE_FIELDS = ("split_threshold", "comm", "comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone")
 # (field, lowest, highest or None): the integer fields and their valid ranges. CTA counts stop
 # at the kernel's limit (its signal pad has one barrier slot per CTA index).
 _INT_RANGES = (
@@ -21,9 +24,17 @@ _INT_RANGES = (
     ("comm_ctas_attn", 1, MAX_CTAS),
     ("comm_ctas_mlp", 1, MAX_CTAS),
     ("comm_ctas_alone", 1, MAX_CTAS),
-    ("gemm_sm_carveout", 0, 1023),
     ("max_tokens", 1, None),
 )
+
+
+class _DefaultInt(int):
+    """The default of a table field: an int that still reads as "not set by the user" after
+    `dataclasses.replace` (and so `from_env`) copies it into a new config."""
+
+
+class _DefaultStr(str):
+    """The same for the str field `comm`."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +51,6 @@ class TokenWeaveConfig:
         after attention / after the MLP.
     comm_ctas_alone: CTAs of the fused kernel when the tokens are not split (nothing runs beside
         it, so it may take many SMs).
-    gemm_sm_carveout: SMs the split GEMMs leave free for the kernel beside them (cuBLASLt's SM
-        count target through torch's experimental carve-out; 0 = off).
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
     backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
         (the kernel where every TP rank is on this node with peer access, TP <= 8 and hidden
@@ -56,24 +65,35 @@ class TokenWeaveConfig:
         the workspace then holds a local mirror of the peers' partial region).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
     tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
-        TP size, hidden size and dtype, from the cache or the shipped ones, overrides the split
-        and CTA fields per token count), "none" (use the fields above), or a table's path.
+        TP size, hidden size and dtype, from the cache or the shipped ones, fills the table fields
+        per token count), "none" (use the fields above), or a table's path.
+
+    Precedence: a table field (TABLE_FIELDS) the user sets, here or through TOKENWEAVE_<FIELD>,
+    wins over the tuning table; the table fills only the ones left unset, and the defaults above
+    fill the rest. An explicit split_threshold decides split-or-not at every token count (the
+    table's `split` is ignored), so `TokenWeaveConfig(split_threshold=1024)` does what it says.
+    `explicit` names the table fields that were set (derived, part of equality and hash: the
+    config is the policy cache's key); `dataclasses.replace` keeps it, since the defaults it
+    copies still read as unset.
     """
 
-    split_threshold: int = 1024
+    split_threshold: int = _DefaultInt(1024)
     split_align: int = 128
     split_offset: int = 0
-    comm_ctas_attn: int = 16
-    comm_ctas_mlp: int = 16
-    comm_ctas_alone: int = 64
-    gemm_sm_carveout: int = 0
+    comm_ctas_attn: int = _DefaultInt(16)
+    comm_ctas_mlp: int = _DefaultInt(16)
+    comm_ctas_alone: int = _DefaultInt(64)
     max_tokens: int = 16384
     backend: Backend = "auto"
-    comm: Comm = "fused"
+    comm: Comm = _DefaultStr("fused")
     defer_across_layers: bool = True
     tuning_table: str = "auto"
+    explicit: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "explicit", frozenset(
+            name for name in TABLE_FIELDS
+            if not isinstance(getattr(self, name), (_DefaultInt, _DefaultStr))))
         for name, low, high in _INT_RANGES:
             value = getattr(self, name)
             # bool is an int in Python; a JSON table's "64" is not: both are mistakes here.
@@ -91,26 +111,26 @@ class TokenWeaveConfig:
 
     @classmethod
     def from_env(cls, base: TokenWeaveConfig | None = None) -> TokenWeaveConfig:
-        """`base` with fields overridden by TOKENWEAVE_<FIELD> variables (TOKENWEAVE_BACKEND)."""
+        """`base` with fields overridden by TOKENWEAVE_<FIELD> variables (TOKENWEAVE_BACKEND).
+        A variable sets its field explicitly (it wins over the tuning table); the fields `base`
+        left unset stay unset."""
         base = base or cls()
         changes: dict[str, object] = {}
-        for field in dataclasses.fields(cls):
-            raw = os.environ.get(ENV_PREFIX + field.name.upper())
-            if raw is None:
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(ENV_PREFIX + f.name.upper())
+            if raw is None or not f.init:
                 continue
-            current = getattr(base, field.name)
+            current = getattr(base, f.name)
+            kind = bool if isinstance(current, bool) else int if isinstance(current, int) else str
             try:
-                if isinstance(current, bool):
+                if kind is bool:
                     if raw.lower() not in ("0", "1", "true", "false"):
                         raise ValueError(raw)
-                    changes[field.name] = raw.lower() in ("1", "true")
-                elif isinstance(current, int):
-                    changes[field.name] = int(raw)
+                    changes[f.name] = raw.lower() in ("1", "true")
                 else:
-                    changes[field.name] = raw
+                    changes[f.name] = kind(raw)
             except ValueError:
                 raise ValueError(
-                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid "
-                    f"{type(current).__name__}"
+                    f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}"
                 ) from None
         return dataclasses.replace(base, **changes)

@@ -1,21 +1,10 @@
 """TokenWeaveTransformerLayer: Megatron's TransformerLayer with the woven schedule of DESIGN.md.
 
-Per layer, with the tokens split in halves A and B (rows of every chunk; a chunk is one rank's
-sequence shard, or all rows without sequence parallelism):
-
-    main stream                          side stream
-    qkv(A)                               fused op(B) of the previous layer's MLP (deferred)
-    qkv(B), attention (whole), proj(A)
-    proj(B)                              fused op(A): all-reduce + add + pre-MLP RMSNorm
-    MLP(A)                               fused op(B)
-    MLP(B)                               fused op(A): all-reduce + add + next layer's RMSNorm
-                                         fused op(B) -> handed to the next layer
-
-Below the split threshold there is one half and the fused op runs on the main stream. On the
-copy-engine data path (where it gathers no normed rows) the side stream only moves the peers'
-rows (copy engines, no SMs beside the GEMM) and the reduction + norm runs on the main stream just
-before the rows are consumed (schedule.Pending).
-Where the fused path does not apply, the stock TransformerLayer.forward runs (logged once).
+Per layer, the tokens are split in halves A and B (rows of every chunk; a chunk is one rank's
+sequence shard, or all rows without sequence parallelism) and one half's fused all-reduce + add +
+RMSNorm runs beside the other half's GEMMs: the steps are megatron_tokenweave.woven's. Below the
+split threshold there is one half and the fused op runs on the main stream. Where the fused path
+does not apply, the stock TransformerLayer.forward runs (logged once).
 """
 
 from __future__ import annotations
@@ -30,27 +19,15 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_tokenweave import moe
+from megatron_tokenweave.communicator import get_communicator
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.linears import Weave, WovenLinearMixin
+from megatron_tokenweave.linears import WovenLinearMixin
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.norm import norm_weight_eps, norm_weight_eps_in
-from megatron_tokenweave.ops import Layout, fused_allreduce_rmsnorm
-from megatron_tokenweave.ops.validate import (
-    KERNEL_DTYPES,
-    SUPPORTED_DTYPES,
-    VECTOR_ELEMS,
-    phases_apply,
-)
+from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
-from megatron_tokenweave.schedule import (
-    Half,
-    Handoff,
-    Pending,
-    WeaveChain,
-    gemm_sm_carveout,
-    plan_halves,
-)
-from megatron_tokenweave.workspace import get_workspace
+from megatron_tokenweave.schedule import Handoff, WeaveChain, plan_halves
+from megatron_tokenweave.woven import WovenForward
 
 _CHAIN_ATTR = "_tokenweave_last_built_layer"
 
@@ -169,130 +146,44 @@ class TokenWeaveTransformerLayer(TransformerLayer):
     def _woven_forward(
         self, x: torch.Tensor, handoff: Handoff | None, attn_kwargs: dict[str, Any]
     ) -> torch.Tensor:
-        cfg = self.tokenweave_config
-        group = self.tp_group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        sp = bool(self.config.sequence_parallel)
-        layout = Layout.SEQUENCE_PARALLEL if sp else Layout.REPLICATED
-        s_local, batch, hidden = x.shape
-        chunks, n = (world if sp else 1), s_local * batch
-        ws = get_workspace(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
-        ws.check_capacity(chunks * n)
-        if handoff is None:  # once per forward of a block: its first layer
-            ws.raise_if_kernel_failed()
+        cfg, group = self.tokenweave_config, self.tp_group
+        sp, is_moe = bool(self.config.sequence_parallel), moe.is_moe(self.mlp)
+        world, hidden = dist.get_world_size(group), x.shape[-1]
+        chunks = world if sp else 1
+        rows = x.shape[0] * x.shape[1] * chunks  # tokens of the whole forward
+        comm = get_communicator(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
+        comm.check_capacity(rows)
+        first, last = handoff is None, self._chain.successor(self) is None
+        if first:  # once per forward of a block: a failure recorded by an earlier one
+            comm.raise_if_failed()
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = TableKey.of(x.device, world, hidden, x.dtype, sp, moe.is_moe(self.mlp), capturing)
-        plan = get_policy(cfg, key).plan(chunks * n)
-        halves = plan_halves(n, cfg, plan.split)
-        if moe.is_moe(self.mlp):  # before anything is launched
+        key = TableKey.of(x.device, world, hidden, x.dtype, sp, is_moe, capturing)
+        plan = get_policy(cfg, key).plan(rows)
+        halves = plan_halves(rows // chunks, cfg, plan.split)
+        if is_moe:  # before anything is launched
             moe.check_capacity(self.mlp, [chunks * h.rows for h in halves])
-        side = self._chain.side_stream(x.device)
-        split = len(halves) > 1
-
-        normed = ws.normed[: chunks * n].view(chunks, n, hidden)
-        partials = tuple(
-            ws.partial[chunks * h.offset : chunks * (h.offset + h.rows)].view(
-                chunks, h.rows, hidden
-            )
-            for h in halves
-        )
-        residual_in = x.view(n, hidden)
-        out = torch.empty_like(x)
-        residual = out.view(n, hidden)
-
-        inputs = self._inputs(handoff, halves, normed)
-        if inputs is None:
-            self._input_norm(x, normed, sp)
-            inputs = tuple(Pending() for _ in halves)
-
-        validate = not self._validated  # until a forward got through its checks
-        if validate and not capturing and ws.backend == "kernel" and self._capturable():
-            # Megatron warms up eagerly, then captures with the CUDA-graph table: if that table
-            # can pick the copy-engine path, its mirror must exist before the capture.
-            captured = dataclasses.replace(key, cuda_graphs=True)
-            if get_policy(cfg, captured).may_copy_engine:
-                ws.copy_engine_mirror()
-
-        def launch(i: int, src: torch.Tensor, norm: tuple | None, ctas: int, ops: list) -> None:
-            """Half i's fused op: on the main stream when unsplit, else on the side stream; the
-            copy-engine op there only moves the rows, its reduction waits for the consumer."""
-            half = halves[i]
-            rows = slice(half.offset, half.offset + half.rows)
-            weight, eps = norm if norm is not None else (None, 0.0)
-            normed_out = half.of(normed) if weight is not None else None
-            args = (ws, partials[i], src[rows], weight, eps, residual[rows], normed_out, layout)
-            if not split:
-                fused_allreduce_rmsnorm(*args, plan.comm_ctas_alone, validate, plan.comm)
-                ops.append(Pending())
-                return
-            if plan.comm == "copy_engine" and phases_apply(layout, weight):
-                with side.run():
-                    fused_allreduce_rmsnorm(*args, ctas, validate, plan.comm, "transfer")
-                ops.append(Pending(side.record(), lambda: fused_allreduce_rmsnorm(
-                    *args, ctas, validate, plan.comm, "reduce")))
-                return
-            with side.run():
-                fused_allreduce_rmsnorm(*args, ctas, validate, plan.comm)
-            ops.append(Pending(side.record()))
-
-        # The split GEMMs may leave SMs to the kernel beside them (plan.gemm_sm_carveout).
-        with gemm_sm_carveout(plan.gemm_sm_carveout if split else 0):
-            # Attention: qkv per half as its input arrives, attention whole, proj per half.
-            attn_ops: list[Pending] = []
-            pre_mlp = norm_weight_eps_in(self.pre_mlp_layernorm, x.dtype)
-            attention = self.self_attention
-            attention.linear_qkv.weave = Weave(
-                chunks, halves, before=lambda i: inputs[i].wait()
-            )
-            attention.linear_proj.weave = Weave(
-                chunks,
-                halves,
-                partials=partials,
-                add_bias=rank == 0,
-                after=lambda i: launch(i, residual_in, pre_mlp, plan.comm_ctas_attn, attn_ops),
-            )
-            try:
-                attention(
-                    normed.view(chunks * s_local, batch, hidden), **_attention_kwargs(attn_kwargs)
-                )
-            finally:
-                attention.linear_qkv.weave = attention.linear_proj.weave = None
-
-            # MLP per half; its fused op also applies the next layer's input norm when there is one.
-            successor = self._chain.successor(self)
-            next_norm = (
-                norm_weight_eps_in(successor.input_layernorm, x.dtype)
-                if successor is not None
-                else None
-            )
-            mlp_ops: list[Pending] = []
-            for i, half in enumerate(halves):
-                attn_ops[i].wait()
-                self._mlp_half(half.of(normed), partials[i], rank == 0)
-                launch(i, residual, next_norm, plan.comm_ctas_mlp, mlp_ops)
-
-        defer = next_norm is not None and cfg.defer_across_layers and not self._layer_graphs()
-        if not defer:
-            for op in mlp_ops:
-                op.wait()
-            mlp_ops = [Pending() for _ in halves]  # a capture may not wait on another's events
-        if next_norm is not None:
-            self._chain.pending = Handoff(out, normed, halves, tuple(mlp_ops))
+        # The copy-engine mirror is allocated eagerly: Megatron warms up eagerly, then captures
+        # with the CUDA-graph table, so it is made when that table can pick the copy engine too.
+        graph_plans = get_policy(cfg, dataclasses.replace(key, cuda_graphs=True))
+        if plan.comm == "copy_engine" or (
+                not capturing and self._capturable() and graph_plans.may_copy_engine):
+            comm.prepare_copy_engine()
+        step = WovenForward(x, group, sp, comm, plan, halves, self._chain.side_stream(x.device),
+                            validate=not self._validated)
+        inputs = step.inputs(handoff, self.input_layernorm, group, x)
+        next_norm = None if last else norm_weight_eps_in(
+            self._chain.successor(self).input_layernorm, x.dtype)
+        attn = step.attention(self.self_attention, _attention_kwargs(attn_kwargs), inputs,
+                              norm_weight_eps_in(self.pre_mlp_layernorm, x.dtype))
+        mlp = step.mlp(self.mlp, attn, next_norm)
+        defer = not last and cfg.defer_across_layers and not self._layer_graphs()
+        handed = step.hand_off(mlp, defer)
+        if last:  # queued after every op of the block, captured into graphs with it
+            comm.record_errors()
+        else:
+            self._chain.pending = handed
         self._validated = True
-        return out
-
-    def _mlp_half(self, x: torch.Tensor, partial: torch.Tensor, add_bias: bool) -> None:
-        """partial[C, r, H] <- this rank's un-reduced MLP output of the rows x[C, r, H]."""
-        if moe.is_moe(self.mlp):
-            moe.moe_partial(self.mlp, x, partial)
-            return
-        mlp, whole = self.mlp, (Half(0, x.shape[1]),)
-        mlp.linear_fc1.weave = Weave(x.shape[0], whole)
-        mlp.linear_fc2.weave = Weave(x.shape[0], whole, partials=(partial,), add_bias=add_bias)
-        try:
-            mlp(x)
-        finally:
-            mlp.linear_fc1.weave = mlp.linear_fc2.weave = None
+        return step.out
 
     def _capturable(self) -> bool:
         """Whether a CUDA graph can capture this layer (not an MoE layer whose dispatcher
@@ -307,31 +198,6 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         capture isolation). A graph of a whole block or model keeps the cross-layer deferral
         (its last layer joins)."""
         return hasattr(self, "cudagraph_manager")
-
-    @staticmethod
-    def _inputs(handoff: Handoff | None, halves: tuple[Half, ...],
-                normed: torch.Tensor) -> tuple[Pending, ...] | None:
-        """Per half, the op still writing the handed-off normed input into `normed`; None:
-        compute it here (no hand-off, or one into another buffer: a workspace outgrown
-        between the two layers)."""
-        if handoff is None:
-            return None
-        if handoff.normed.data_ptr() != normed.data_ptr() or handoff.normed.shape != normed.shape:
-            handoff.wait()
-            return None
-        if handoff.halves == halves:
-            return handoff.pending
-        handoff.wait()
-        return tuple(Pending() for _ in halves)
-
-    def _input_norm(self, x: torch.Tensor, normed: torch.Tensor, sp: bool) -> None:
-        """normed[C, n, H] <- the input norm of every row (gathered under sequence parallelism)."""
-        local = self.input_layernorm(x).reshape(-1, x.shape[-1]).to(normed.dtype)
-        if sp:
-            flat = normed.view(-1, x.shape[-1])
-            dist.all_gather_into_tensor(flat, local.contiguous(), group=self.tp_group)
-        else:
-            normed[0].copy_(local)
 
 
 _ATTENTION_KEYS = (

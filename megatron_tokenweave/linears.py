@@ -1,7 +1,9 @@
 """Linears of the woven layer: Megatron's own column/row-parallel linears (local or TE), same
 parameters and checkpoint keys, that run a per-half schedule when the layer hands them a weave.
 
-Without a weave they behave exactly like their stock parents (the fallback path). With one:
+Without a weave they behave exactly like their stock parents (the fallback path). The layer hands
+each linear its plan for one call through one mechanism, `weaving({linear: Weave, ...})`, a
+context the linears read (nothing on the modules changes). With a plan:
 - a column-parallel linear takes the already-gathered normed input (no all-gather of its own)
   and computes it half by half, waiting for each half's communication to finish;
 - a row-parallel linear writes its un-reduced partial sum of each half straight into the
@@ -10,7 +12,9 @@ Without a weave they behave exactly like their stock parents (the fallback path)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,15 +87,29 @@ class Weave:
         return self.partials[-1], None
 
 
-class WovenLinearMixin:
-    """Stock forward unless the layer set `self.weave` for the duration of a call."""
+_plans: ContextVar[Mapping[torch.nn.Module, Weave] | None] = ContextVar("tokenweave_weaves",
+                                                                        default=None)
 
-    weave: Weave | None = None
+
+@contextlib.contextmanager
+def weaving(plans: Mapping[torch.nn.Module, Weave]) -> Iterator[None]:
+    """Inside the scope, each linear in `plans` runs its Weave instead of its stock forward."""
+    token = _plans.set(plans)
+    try:
+        yield
+    finally:
+        _plans.reset(token)
+
+
+class WovenLinearMixin:
+    """Stock forward unless the layer handed this linear a Weave (`weaving`) for this call."""
+
     _woven_role = "column"
 
     def forward(self, input_: torch.Tensor, *args: Any,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weave = self.weave
+        plans = _plans.get()
+        weave = plans.get(self) if plans is not None else None
         if weave is None:
             return super().forward(input_, *args, **kwargs)
         return getattr(weave, self._woven_role)(self, input_)

@@ -1,15 +1,18 @@
 """Split policy: per forward, whether to split the tokens and how many CTAs the kernel gets.
 
-Chosen from a tuning table measured for (GPU, TP size, hidden size, dtype, layout, MoE or dense,
-CUDA graphs or eager) by
-`python -m megatron_tokenweave.tune`, else from TokenWeaveConfig. Tables are JSON:
+Chosen from TokenWeaveConfig and a tuning table measured for (GPU, TP size, hidden size, dtype,
+layout, MoE or dense, CUDA graphs or eager) by `python -m megatron_tokenweave.tune`. Tables are
+JSON:
 
     {"gpu": "NVIDIA H200", "tp": 2, "hidden": 8192, "dtype": "bfloat16",
      "sequence_parallel": false, "moe": false, "cuda_graphs": true,
      "entries": [{"min_tokens": 0, "split": false, "comm_ctas_alone": 64},
                  {"min_tokens": 8192, "split": true, "comm": "collectives"}, ...]}
 
-An entry applies from `min_tokens` (tokens of one forward, all shards) up to the next entry.
+An entry applies from `min_tokens` (tokens of one forward, all shards) up to the next entry. Its
+values fill only the config fields the user left unset (TokenWeaveConfig's precedence rule); the
+GPU is matched on `gpu_name_key`. With `tuning_table="auto"` a table file that does not read
+as a table is skipped with a warning naming it, so one bad cached file breaks no model.
 """
 
 from __future__ import annotations
@@ -18,19 +21,38 @@ import dataclasses
 import functools
 import glob
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.config import TABLE_FIELDS, TokenWeaveConfig
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.validate import Comm
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
-TUNABLE = ("comm", "comm_ctas_attn", "comm_ctas_mlp", "comm_ctas_alone", "gemm_sm_carveout")
+# The fields an entry may name besides min_tokens and split (which stands for split_threshold).
+TUNABLE = tuple(name for name in TABLE_FIELDS if name != "split_threshold")
+# Name tokens that say nothing a table measures: the vendor, memory size or type, and the SXM
+# socket (the board these chips' tables are measured on).
+_NAME_NOISE = re.compile(r"nvidia|\d+gb|hbm\d*e?|sxm\d*")
+
+
+def gpu_name_key(name: str) -> str:
+    """The GPU name tables are matched on: lowercase tokens of the device name, less the vendor,
+    memory size/type and SXM tokens, joined by "-". "NVIDIA H200" and "H200 SXM 141GB" -> "h200",
+    "NVIDIA A100-SXM4-80GB" -> "a100", "cpu" -> "cpu". Other board names stay part of the key:
+    "NVIDIA H200 NVL" -> "h200-nvl", "NVIDIA H100 PCIe" -> "h100-pcie". Those boards carry the
+    same chip under a lower power limit (H100 PCIe also with fewer SMs) and link GPUs through
+    NVLink bridges or PCIe instead of NVSwitch; a table measures exactly that balance of GEMM
+    time against communication, so they do not borrow the SXM board's table (none ships for
+    them: the config's defaults apply until one is tuned there)."""
+    tokens = re.split(r"[\s_\-/]+", name.strip().lower())
+    return "-".join(t for t in tokens if t and not _NAME_NOISE.fullmatch(t))
 
 
 @dataclass(frozen=True)
@@ -42,12 +64,13 @@ class Plan:
     comm_ctas_attn: int
     comm_ctas_mlp: int
     comm_ctas_alone: int
-    gemm_sm_carveout: int = 0
     comm: Comm = "fused"
 
 
 @dataclass(frozen=True)
 class TableKey:
+    """What a table was measured for; `gpu` is kept as `gpu_name_key(gpu)`."""
+
     gpu: str
     tp: int
     hidden: int
@@ -57,6 +80,9 @@ class TableKey:
     # Captured in a CUDA graph or run eagerly: a split doubles the launches, which eager
     # execution pays on the host (measured: the split wins graphed at 4K-8K tokens, loses eager).
     cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu", gpu_name_key(self.gpu))
 
     @classmethod
     def of(
@@ -72,14 +98,16 @@ class TableKey:
         layout = "sp" if self.sequence_parallel else "replicated"
         kind = "_moe" if self.moe else ""
         mode = "" if self.cuda_graphs else "_eager"
-        gpu = self.gpu.replace(" ", "_")
-        return f"{gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}_{layout}{kind}{mode}.json"
+        return f"{self.gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}_{layout}{kind}{mode}.json"
 
 
 def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
-    """Read and validate one table file."""
+    """Read and validate one table file; ValueError naming the file if it is not a table."""
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: not a JSON file ({exc})") from None
     try:
         key = TableKey(
             str(data["gpu"]), int(data["tp"]), int(data["hidden"]), str(data["dtype"]),
@@ -106,17 +134,21 @@ def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
 
 
 class SplitPolicy:
-    """Plans for one (device, TP size, hidden, dtype): the matching table, else the config."""
+    """Plans for one (device, TP size, hidden, dtype, ...): the config's explicit fields, else
+    the matching table's entry, else the config's defaults."""
 
     def __init__(self, cfg: TokenWeaveConfig, key: TableKey) -> None:
         self.cfg = cfg
         self.key = key
         self.entries = self._find_entries()
 
+    def _explicit_path(self) -> bool:
+        return self.cfg.tuning_table not in ("auto", "", "none")
+
     def _candidates(self) -> list[str]:
         if self.cfg.tuning_table in ("", "none"):
             return []
-        if self.cfg.tuning_table != "auto":
+        if self._explicit_path():
             return [self.cfg.tuning_table]
         return sorted(glob.glob(str(CACHE_DIR / "tuning" / "*.json"))) + sorted(
             glob.glob(str(SHIPPED_TABLES / "*.json"))
@@ -124,47 +156,63 @@ class SplitPolicy:
 
     def _find_entries(self) -> list[dict]:
         """The table of this key; else the one measured in the other execution mode (closer to
-        this machine than the config's defaults)."""
+        this machine than the config's defaults). A table the user named must read; one found
+        by "auto" that does not is skipped with a warning."""
+        tables = []
+        for path in self._candidates():
+            try:
+                tables.append((path, *load_table(path)))
+            except (OSError, ValueError) as exc:
+                if self._explicit_path():
+                    raise
+                log_once(f"bad-table:{path}", f"TokenWeave: skipping tuning table {path}: {exc}")
         other_mode = dataclasses.replace(self.key, cuda_graphs=not self.key.cuda_graphs)
-        tables = [(path, *load_table(path)) for path in self._candidates()]
         for want in (self.key, other_mode):
             for path, key, entries in tables:
                 if key == want:
                     log_once(f"table:{path}:{self.key}",
-                             f"TokenWeave: split policy for {self.key} from {path}")
+                             f"TokenWeave: split policy for {self.key} from {path}", logging.INFO)
                     return entries
-        if self.cfg.tuning_table not in ("auto", "", "none"):
+        if self._explicit_path():
             raise ValueError(f"{self.cfg.tuning_table} has no table for {self.key}")
+        if self.cfg.tuning_table == "auto":
+            log_once(f"no-table:{self.key}",
+                     f"TokenWeave: no tuning table for {self.key.gpu} ({self.key}), defaults")
         return []
 
     @property
     def may_copy_engine(self) -> bool:
         """Whether a plan of this policy can run the copy-engine data path (which needs the
         workspace's mirror allocated outside any CUDA-graph capture)."""
-        return self.cfg.comm == "copy_engine" or any(
-            entry.get("comm") == "copy_engine" for entry in self.entries)
+        return self.cfg.comm == "copy_engine" or ("comm" not in self.cfg.explicit and any(
+            entry.get("comm") == "copy_engine" for entry in self.entries))
 
     def plan(self, tokens: int) -> Plan:
-        """The plan for a forward of `tokens` tokens (all shards together)."""
-        base = Plan(
-            split=tokens >= self.cfg.split_threshold,
-            comm_ctas_attn=self.cfg.comm_ctas_attn,
-            comm_ctas_mlp=self.cfg.comm_ctas_mlp,
-            comm_ctas_alone=self.cfg.comm_ctas_alone,
-            gemm_sm_carveout=self.cfg.gemm_sm_carveout,
-            comm=self.cfg.comm,
+        """The plan for a forward of `tokens` tokens (all shards together): each field from the
+        config where the user set it, else from the entry for `tokens` where it names the
+        field, else the config's default."""
+        entry: dict = {}
+        for candidate in self.entries:
+            if int(candidate["min_tokens"]) <= tokens:
+                entry = candidate
+        explicit = self.cfg.explicit
+
+        def value(name: str) -> object:
+            if name in entry and name not in explicit:
+                return entry[name]
+            return getattr(self.cfg, name)
+
+        if "split" in entry and "split_threshold" not in explicit:
+            split = entry["split"]
+        else:
+            split = tokens >= self.cfg.split_threshold
+        return Plan(  # plain int / str: the config's unset defaults are int / str subclasses
+            split=split,
+            comm_ctas_attn=int(value("comm_ctas_attn")),
+            comm_ctas_mlp=int(value("comm_ctas_mlp")),
+            comm_ctas_alone=int(value("comm_ctas_alone")),
+            comm=str(value("comm")),
         )
-        chosen = None
-        for entry in self.entries:
-            if int(entry["min_tokens"]) <= tokens:
-                chosen = entry
-        if chosen is None:
-            return base
-        # A table entry is a measured plan: what it does not name is what the tuner measured
-        # (the fused op, no carve-out), never the config's setting.
-        overrides = {"comm": "fused", "gemm_sm_carveout": 0}
-        overrides.update((k, v) for k, v in chosen.items() if k != "min_tokens")
-        return dataclasses.replace(base, **overrides)
 
 
 @functools.lru_cache(maxsize=64)

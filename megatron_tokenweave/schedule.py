@@ -160,21 +160,3 @@ class WeaveChain:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.wait()
-
-
-@contextlib.contextmanager
-def gemm_sm_carveout(sms: int) -> Iterator[None]:
-    """Inside the scope, cuBLASLt GEMMs target all but `sms` SMs (torch's experimental carve-out;
-    the setting is read when a GEMM is issued, so CUDA graphs keep it)."""
-    if sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        yield
-        return
-    previous_library = torch.backends.cuda.preferred_blas_library()
-    previous = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)
-        torch.backends.cuda.preferred_blas_library(previous_library)

@@ -33,41 +33,40 @@ def setup_tp(world: int) -> None:
 def record_fused_calls() -> Iterator[list[tuple[int, int]]]:
     """Record (chunks, rows) of every fused op the woven layer makes, once per op (a
     copy-engine op issued as a transfer and a reduction counts at its reduction)."""
-    import megatron_tokenweave.layer as layer_mod
+    from megatron_tokenweave.communicator import Communicator
 
     calls: list[tuple[int, int]] = []
-    original = layer_mod.fused_allreduce_rmsnorm
+    original = Communicator.allreduce_rmsnorm
 
-    def counting(workspace, partial, *args, **kwargs):
-        phase = args[9] if len(args) > 9 else kwargs.get("phase", "whole")
-        if phase != "transfer":
+    def counting(self, partial, *args, **kwargs):
+        if kwargs.get("phase", "whole") != "transfer":
             calls.append((int(partial.shape[0]), int(partial.shape[1])))
-        return original(workspace, partial, *args, **kwargs)
+        return original(self, partial, *args, **kwargs)
 
-    layer_mod.fused_allreduce_rmsnorm = counting
+    Communicator.allreduce_rmsnorm = counting
     try:
         yield calls
     finally:
-        layer_mod.fused_allreduce_rmsnorm = original
+        Communicator.allreduce_rmsnorm = original
 
 
 @contextlib.contextmanager
 def record_collective_calls() -> Iterator[list[int]]:
     """Record the rows of every fused-op call carried out by collectives (comm="collectives")."""
-    import megatron_tokenweave.ops.fused as fused_mod
+    import megatron_tokenweave.communicator as comm_mod
 
     calls: list[int] = []
-    original = fused_mod.allreduce_add_rmsnorm_collectives
+    original = comm_mod.allreduce_add_rmsnorm_collectives
 
     def counting(partial, *args, **kwargs):
         calls.append(int(partial.shape[1]))
         return original(partial, *args, **kwargs)
 
-    fused_mod.allreduce_add_rmsnorm_collectives = counting
+    comm_mod.allreduce_add_rmsnorm_collectives = counting
     try:
         yield calls
     finally:
-        fused_mod.allreduce_add_rmsnorm_collectives = original
+        comm_mod.allreduce_add_rmsnorm_collectives = original
 
 
 def causal_mask(seq: int) -> torch.Tensor:

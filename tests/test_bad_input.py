@@ -22,15 +22,10 @@ from _dist import (
     setup_tp,
 )
 
+from megatron_tokenweave.communicator import Communicator, WorkspaceCapacityError, agree
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.models import SHAPES, Shape
-from megatron_tokenweave.ops import (
-    Layout,
-    TokenWeaveInputError,
-    fused_allreduce_rmsnorm,
-    fused_allreduce_rmsnorm_reference,
-)
-from megatron_tokenweave.workspace import Workspace, WorkspaceCapacityError, resolve_backend
+from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
 
 EPS = 1e-5
 N, H = 5, 16
@@ -130,9 +125,9 @@ def test_bad_op_arguments_raise_and_write_nothing(single_rank_group, case, via):
                 args["layout"], single_rank_group,
             )
         else:
-            ws = Workspace(single_rank_group, 64, H, torch.float32, CPU, "reference")
-            fused_allreduce_rmsnorm(
-                ws, args["partial"], args["residual"], args["weight"], EPS, residual_out,
+            comm = Communicator(single_rank_group, 64, H, torch.float32, CPU, "reference")
+            comm.allreduce_rmsnorm(
+                args["partial"], args["residual"], args["weight"], EPS, residual_out,
                 normed_out, args["layout"],
             )
     after = [t for t in (residual_out, normed_out) if t is not None]
@@ -151,23 +146,23 @@ def test_bad_phase_raises_on_every_backend(single_rank_group, comm, phase, layou
     """A wrong phase fails the same way on the CPU backends as on the kernel (where the op would
     run twice or skip its gather), before anything is written."""
     args = _valid_args(layout=layout)
-    ws = Workspace(single_rank_group, 64, H, torch.float32, CPU, "reference")
+    ws = Communicator(single_rank_group, 64, H, torch.float32, CPU, "reference")
     with pytest.raises(TokenWeaveInputError, match=message):
-        fused_allreduce_rmsnorm(ws, args["partial"], args["residual"], args["weight"], EPS,
-                                args["residual_out"], args["normed_out"], layout, comm=comm,
-                                phase=phase)
+        ws.allreduce_rmsnorm(args["partial"], args["residual"], args["weight"], EPS,
+                             args["residual_out"], args["normed_out"], layout, comm=comm,
+                             phase=phase)
     assert args["residual_out"].isnan().all() and args["normed_out"].isnan().all()
 
 
 def test_phases_on_a_backend_without_them_run_the_op_once_at_reduce(single_rank_group):
     """Reference backend: "transfer" writes nothing, "reduce" the whole op."""
     args = _valid_args(layout=Layout.REPLICATED)
-    ws = Workspace(single_rank_group, 64, H, torch.float32, CPU, "reference")
-    call = [ws, args["partial"], args["residual"], args["weight"], EPS, args["residual_out"],
+    ws = Communicator(single_rank_group, 64, H, torch.float32, CPU, "reference")
+    call = [args["partial"], args["residual"], args["weight"], EPS, args["residual_out"],
             args["normed_out"], Layout.REPLICATED]
-    fused_allreduce_rmsnorm(*call, comm="copy_engine", phase="transfer")
+    ws.allreduce_rmsnorm(*call, comm="copy_engine", phase="transfer")
     assert args["residual_out"].isnan().all() and args["normed_out"].isnan().all()
-    fused_allreduce_rmsnorm(*call, comm="copy_engine", phase="reduce")
+    ws.allreduce_rmsnorm(*call, comm="copy_engine", phase="reduce")
     want_res = torch.full_like(args["residual_out"], float("nan"))
     want_normed = torch.full_like(args["normed_out"], float("nan"))
     fused_allreduce_rmsnorm_reference(args["partial"], args["residual"], args["weight"], EPS,
@@ -198,7 +193,7 @@ def test_valid_arguments_pass_the_checks(single_rank_group, dtype, layout):
 @pytest.mark.parametrize("capacity", [1, 7, 128])
 def test_workspace_capacity(single_rank_group, capacity):
     """Up to max_tokens rows fit; one more raises WorkspaceCapacityError saying how to fix it."""
-    ws = Workspace(single_rank_group, capacity, H, torch.bfloat16, CPU, "reference")
+    ws = Communicator(single_rank_group, capacity, H, torch.bfloat16, CPU, "reference")
     assert ws.partial.shape == ws.normed.shape == (capacity, H)
     assert ws.is_buffer_size_sufficient(capacity) and not ws.is_buffer_size_sufficient(capacity + 1)
     ws.check_capacity(capacity)
@@ -210,34 +205,35 @@ def test_workspace_capacity(single_rank_group, capacity):
 def test_kernel_backend_on_cpu_raises_runtime_error(single_rank_group):
     with pytest.raises(RuntimeError, match="backend 'kernel' was requested but cannot run: the "
                        "device is not a CUDA GPU"):
-        Workspace(single_rank_group, 8, H, torch.bfloat16, CPU, "kernel")
+        Communicator(single_rank_group, 8, H, torch.bfloat16, CPU, "kernel")
     with pytest.raises(RuntimeError, match="'kernel' was requested"):
-        resolve_backend("kernel", single_rank_group, CPU, H)
+        agree(single_rank_group, CPU, "kernel", H)
     with pytest.raises(RuntimeError, match="hidden size 32776 is above the kernel's 32768"):
-        resolve_backend("kernel", single_rank_group, CPU, 32776)
+        agree(single_rank_group, CPU, "kernel", 32776)
 
 
 def test_auto_backend_on_cpu_is_reference(single_rank_group):
-    assert resolve_backend("auto", single_rank_group, CPU, H) == "reference"
-    assert resolve_backend("auto", single_rank_group, CPU, 32776) == "reference"
+    assert agree(single_rank_group, CPU, "auto", H).backend == "reference"
+    assert agree(single_rank_group, CPU, "auto", 32776).backend == "reference"
 
 
-def test_outgrown_workspace_stays_until_destroy_workspaces(single_rank_group, monkeypatch):
-    """A larger max_tokens gets a new workspace and keeps the old one (CUDA graphs captured on
-    it replay with its addresses); a smaller one reuses the larger; destroy_workspaces frees
-    both."""
-    from megatron_tokenweave import workspace as ws_mod
+def test_outgrown_communicator_stays_until_destroy_communicators(single_rank_group, monkeypatch):
+    """A larger max_tokens gets a new communicator and keeps the old one (CUDA graphs captured
+    on it replay with its addresses); a smaller one reuses the larger; destroy_communicators
+    frees both."""
+    from megatron_tokenweave import communicator as comm_mod
 
     destroyed: list[int] = []
-    monkeypatch.setattr(ws_mod.Workspace, "destroy", lambda self: destroyed.append(self.max_tokens))
-    monkeypatch.setattr(ws_mod, "_workspaces", {})
-    monkeypatch.setattr(ws_mod, "_outgrown", [])
+    monkeypatch.setattr(comm_mod.Communicator, "destroy",
+                        lambda self: destroyed.append(self.max_tokens))
+    monkeypatch.setattr(comm_mod, "_communicators", {})
+    monkeypatch.setattr(comm_mod, "_outgrown", [])
     rest = (H, torch.bfloat16, CPU, "reference")
-    small = ws_mod.get_workspace(single_rank_group, 16, *rest)
-    large = ws_mod.get_workspace(single_rank_group, 64, *rest)
+    small = comm_mod.get_communicator(single_rank_group, 16, *rest)
+    large = comm_mod.get_communicator(single_rank_group, 64, *rest)
     assert large is not small and large.max_tokens == 64 and destroyed == []
-    assert ws_mod.get_workspace(single_rank_group, 16, *rest) is large
-    ws_mod.destroy_workspaces()
+    assert comm_mod.get_communicator(single_rank_group, 16, *rest) is large
+    comm_mod.destroy_communicators()
     assert sorted(destroyed) == [16, 64]
 
 
@@ -375,19 +371,19 @@ def _validate_flags(world: int, config: TokenWeaveConfig, gen) -> list:
     """The `validate` flag of every fused-op call over three forwards of one woven model, the
     first of which fails its first (validated) call: what each forward asked the op to check,
     or the error it raised."""
-    import megatron_tokenweave.layer as layer_mod
+    from megatron_tokenweave.communicator import Communicator
 
     model = build_model("tokenweave", SHAPE, 2, world, config)
     tokens = torch.randint(0, SHAPE.vocab, (1, 16), generator=gen)
-    original, flags = layer_mod.fused_allreduce_rmsnorm, []
+    original, flags = Communicator.allreduce_rmsnorm, []
 
-    def op(*args):
-        flags[-1].append(args[9])  # (workspace, 7 tensors/args, ctas, validate, ...)
-        if len(flags) == 1 and args[9]:
+    def op(*args, **kwargs):
+        flags[-1].append(kwargs["validate"])
+        if len(flags) == 1 and kwargs["validate"]:
             raise TokenWeaveInputError("injected: the first forward's checks fail")
-        return original(*args)
+        return original(*args, **kwargs)
 
-    layer_mod.fused_allreduce_rmsnorm = op
+    Communicator.allreduce_rmsnorm = op
     try:
         for _ in range(3):
             flags.append([])
@@ -396,7 +392,7 @@ def _validate_flags(world: int, config: TokenWeaveConfig, gen) -> list:
             except TokenWeaveInputError as exc:
                 flags[-1].append(str(exc))
     finally:
-        layer_mod.fused_allreduce_rmsnorm = original
+        Communicator.allreduce_rmsnorm = original
     return flags
 
 
@@ -415,13 +411,13 @@ def _outgrown_mid_forward(world: int, config: TokenWeaveConfig, gen) -> dict:
     layers[1].tokenweave_config = dataclasses.replace(config, max_tokens=1 << 16)
     own_norms = [0, 0, 0]
     for i, layer in enumerate(layers):
-        original = layer._input_norm
+        original = layer.input_layernorm.forward
 
         def counted(*args, i=i, original=original):
             own_norms[i] += 1
             return original(*args)
 
-        layer._input_norm = counted
+        layer.input_layernorm.forward = counted
     tokens = torch.randint(0, SHAPE.vocab, (2, 24), generator=gen)
     errs = [rel_err(_forward(woven, tokens), _forward(stock, tokens)) for _ in range(2)]
     return dict(errs=errs, own_norms=own_norms)

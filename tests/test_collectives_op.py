@@ -48,8 +48,7 @@ def _expected(partials, residuals, weight, layout, rank, dtype):
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_tokenweave.ops import fused_allreduce_rmsnorm
-    from megatron_tokenweave.workspace import Workspace
+    from megatron_tokenweave.communicator import Communicator
 
     results = {}
     for index, (layout, with_weight, n, hidden, dtype) in enumerate(CASES):
@@ -59,7 +58,7 @@ def _worker(rank: int, world: int) -> dict:
         residuals = torch.randn(world, n, hidden, generator=gen).to(dtype)
         weight = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype) if with_weight else None
         want_y, want_normed = _expected(partials, residuals, weight, layout, rank, dtype)
-        ws = Workspace(dist.group.WORLD, max(chunks * n, 1), hidden, dtype, torch.device("cpu"),
+        ws = Communicator(dist.group.WORLD, max(chunks * n, 1), hidden, dtype, torch.device("cpu"),
                        "reference")
         case = {}
         for alias in (False, True):
@@ -69,8 +68,8 @@ def _worker(rank: int, world: int) -> dict:
             residual_out = residual if alias else torch.full_like(residual, float("nan"))
             buf = torch.full((chunks, n + GAP, hidden), float("nan"), dtype=dtype)
             normed_out = buf[:, :n] if with_weight else None
-            fused_allreduce_rmsnorm(ws, partial, residual, weight, EPS, residual_out, normed_out,
-                                    layout, comm="collectives")
+            ws.allreduce_rmsnorm(partial, residual, weight, EPS, residual_out, normed_out, layout,
+                                 comm="collectives")
             normed_ratio = 0.0
             if with_weight and n:
                 err = (normed_out.double() - want_normed).abs()

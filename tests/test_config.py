@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_tokenweave.config import ENV_PREFIX, TokenWeaveConfig
+from megatron_tokenweave.config import ENV_PREFIX, TABLE_FIELDS, TokenWeaveConfig
 
 
 def test_defaults_are_valid_and_frozen():
@@ -25,7 +25,6 @@ def test_defaults_are_valid_and_frozen():
         ("comm_ctas_attn", (1, 2, 32, 128), (0, -1, 129, 1024, "16", 16.0, True)),
         ("comm_ctas_mlp", (1, 16, 128), (0, 129, 4096, None)),
         ("comm_ctas_alone", (1, 64, 128), (0, -2, 129, "64")),
-        ("gemm_sm_carveout", (0, 8, 1023), (-1, 1024, "8")),
         ("max_tokens", (1, 3, 16384), (0, -5, 2.5)),
         ("split_offset", (-64, 0, 5), ("1", 0.5)),
         ("defer_across_layers", (True, False), (1, "true", None)),
@@ -77,15 +76,17 @@ def test_from_env_without_variables_returns_base():
     ],
 )
 def test_from_env_parses_each_type(monkeypatch, field, raw, want):
-    """TOKENWEAVE_<FIELD> overrides that field (int, str and bool parsing), nothing else."""
+    """TOKENWEAVE_<FIELD> overrides that field (int, str and bool parsing), nothing else, and
+    marks a table field explicit."""
     defer = not want if field == "defer_across_layers" else True
     base = TokenWeaveConfig(defer_across_layers=defer)
     monkeypatch.setenv(ENV_PREFIX + field.upper(), raw)
     cfg = TokenWeaveConfig.from_env(base)
     assert getattr(cfg, field) == want
     assert type(getattr(cfg, field)) is type(want)
-    others = {f.name for f in dataclasses.fields(cfg)} - {field}
+    others = {f.name for f in dataclasses.fields(cfg) if f.init} - {field}
     assert {n: getattr(cfg, n) for n in others} == {n: getattr(base, n) for n in others}
+    assert cfg.explicit == ({field} if field in TABLE_FIELDS else set())
 
 
 def test_from_env_overrides_several_fields_over_base(monkeypatch):
@@ -133,3 +134,41 @@ def test_unrelated_variables_are_ignored(monkeypatch):
     monkeypatch.setenv("TOKENWEAVE_NOT_A_FIELD", "1")
     monkeypatch.setenv("SPLIT_ALIGN", "3")
     assert TokenWeaveConfig.from_env() == TokenWeaveConfig()
+
+
+def test_explicit_names_the_table_fields_the_user_set():
+    """Only a value the caller gives counts, even one equal to the default: the table must not
+    override TokenWeaveConfig(split_threshold=1024)."""
+    assert TokenWeaveConfig().explicit == frozenset()
+    assert TokenWeaveConfig(split_threshold=1024, split_align=64).explicit == {"split_threshold"}
+    cfg = TokenWeaveConfig(comm="fused", comm_ctas_alone=64)
+    assert cfg.explicit == {"comm", "comm_ctas_alone"}
+    assert type(TokenWeaveConfig().split_threshold) is not int  # the unset marker ...
+    assert TokenWeaveConfig().split_threshold == 1024  # ... reads as the default
+
+
+def test_explicit_is_part_of_equality_and_hash():
+    """The config keys the policy cache: a default and an explicit 1024 plan differently."""
+    assert TokenWeaveConfig() != TokenWeaveConfig(split_threshold=1024)
+    assert len({TokenWeaveConfig(), TokenWeaveConfig(split_threshold=1024),
+                TokenWeaveConfig(split_threshold=1024)}) == 2
+
+
+def test_replace_keeps_unset_fields_unset():
+    base = TokenWeaveConfig(comm_ctas_attn=8)
+    cfg = dataclasses.replace(base, split_threshold=1024, max_tokens=64)
+    assert cfg.explicit == {"comm_ctas_attn", "split_threshold"}
+    assert dataclasses.replace(cfg).explicit == cfg.explicit
+    assert dataclasses.replace(TokenWeaveConfig(), backend="reference").explicit == frozenset()
+    with pytest.raises(ValueError, match="explicit"):
+        dataclasses.replace(cfg, explicit=frozenset())
+
+
+def test_from_env_marks_variables_explicit_and_keeps_the_base(monkeypatch):
+    monkeypatch.setenv("TOKENWEAVE_COMM", "collectives")
+    monkeypatch.setenv("TOKENWEAVE_SPLIT_THRESHOLD", "1024")  # the default's value, still set
+    cfg = TokenWeaveConfig.from_env(TokenWeaveConfig(comm_ctas_mlp=32))
+    assert cfg.explicit == {"comm", "split_threshold", "comm_ctas_mlp"}
+    monkeypatch.delenv("TOKENWEAVE_COMM")
+    monkeypatch.delenv("TOKENWEAVE_SPLIT_THRESHOLD")
+    assert TokenWeaveConfig.from_env().explicit == frozenset()

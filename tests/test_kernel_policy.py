@@ -111,19 +111,19 @@ class _StubBuffer:
     describe_error = SymmetricBuffer.describe_error
 
 
-def test_kernel_timeout_surfaces_on_a_later_forward_without_a_sync(monkeypatch):
-    """raise_if_kernel_failed reads the words an earlier call copied, then queues a new copy:
-    a timeout recorded by a kernel raises (one forward late) instead of going unnoticed."""
-    from megatron_tokenweave.workspace import Workspace
+def test_kernel_timeout_raises_from_the_copied_error_words():
+    """raise_if_failed reads the words the last record_errors() copied (no sync): nothing
+    recorded, no error; a START-barrier timeout raises naming the peer, the slot and the
+    timeout."""
+    from megatron_tokenweave.communicator import Communicator
 
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    ws = object.__new__(Workspace)
-    ws.symmetric, ws._error_host = _StubBuffer(), torch.zeros(4, dtype=torch.int32)
-    ws.raise_if_kernel_failed()  # nothing recorded yet
-    ws.symmetric.words.copy_(torch.tensor([1, 1, 3, 42]))  # a kernel times out (start barrier)
-    ws.raise_if_kernel_failed()  # this call only queues the copy of the new words
-    with pytest.raises(RuntimeError, match="peer rank 1 never arrived at the START barrier"):
-        ws.raise_if_kernel_failed()
+    comm = object.__new__(Communicator)
+    comm.symmetric, comm._errors = _StubBuffer(), torch.zeros(4, dtype=torch.int32)
+    comm.raise_if_failed()  # nothing recorded yet
+    comm._errors.copy_(torch.tensor([1, 1, 3, 42]))  # as copied after a kernel timed out
+    with pytest.raises(RuntimeError, match=r"peer rank 1 never arrived at the START barrier "
+                       r"\(CTA 3, epoch/round 42, timeout 10.0 s\)"):
+        comm.raise_if_failed()
 
 
 def test_oneshot_threshold_mirrors_the_cuda_constant():

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 
+from megatron_tokenweave import log as log_mod
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.policy import Plan, SplitPolicy, TableKey, load_table
+from megatron_tokenweave.policy import Plan, SplitPolicy, TableKey, gpu_name_key, load_table
 
 KEY = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False)
 NEVER_SPLIT = 1 << 40
@@ -34,7 +36,7 @@ def test_config_fields_without_table():
 
 
 def test_table_entries_apply_by_token_count(tmp_path):
-    cfg = TokenWeaveConfig(split_threshold=0, tuning_table=_write(tmp_path))
+    cfg = TokenWeaveConfig(tuning_table=_write(tmp_path))
     policy = SplitPolicy(cfg, KEY)
     small, large = policy.plan(2047), policy.plan(4096)
     assert (small.split, small.comm_ctas_alone) == (False, 64)
@@ -70,6 +72,80 @@ def test_malformed_table_raises(tmp_path):
     path.write_text(json.dumps({"gpu": "g"}))
     with pytest.raises(ValueError, match="not a TokenWeave tuning table"):
         load_table(path)
+    path.write_text('{"gpu": "g", ')
+    with pytest.raises(ValueError, match=f"{path}: not a JSON file"):
+        load_table(path)
+
+
+@pytest.fixture
+def tables_in(tmp_path, monkeypatch, caplog):
+    """tmp_path as the only table directory ("auto" finds no cache), log_once's memory cleared
+    and the package's log captured from INFO up."""
+    import megatron_tokenweave.policy as policy_mod
+
+    monkeypatch.setattr(policy_mod, "SHIPPED_TABLES", tmp_path)
+    monkeypatch.setattr(policy_mod, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(log_mod, "_seen", set())
+    caplog.set_level(logging.INFO, logger="megatron_tokenweave")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, want", [
+    ("NVIDIA H200", "h200"),
+    ("H200 SXM 141GB", "h200"),
+    ("NVIDIA H200 141GB HBM3e", "h200"),
+    ("NVIDIA H200 NVL", "h200-nvl"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA B200", "b200"),
+    ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+    ("cpu", "cpu"),
+    ("h200-nvl", "h200-nvl"),  # idempotent: a table written with a key reads back the same
+])
+def test_gpu_name_key(name, want):
+    assert gpu_name_key(name) == want
+    assert TableKey(name, 2, 8, "bfloat16", False).gpu == want
+
+
+def test_tables_match_on_the_normalized_gpu_name(tables_in, monkeypatch, caplog):
+    """The shipped H200 table ("NVIDIA H200") serves an "H200 SXM 141GB"; an H200 NVL (other
+    board: power limit, NVLink bridges) gets the defaults, and the log says which."""
+    table = _write(tables_in)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "H200 SXM 141GB")
+    key = TableKey.of(torch.device("cuda", 0), 2, 8192, torch.bfloat16, False)
+    assert key == KEY and SplitPolicy(TokenWeaveConfig(), key).entries == ENTRIES
+    assert f"from {table}" in caplog.text
+    nvl = TableKey("NVIDIA H200 NVL", 2, 8192, "bfloat16", False)
+    assert SplitPolicy(TokenWeaveConfig(), nvl).entries == []
+    assert "no tuning table for h200-nvl" in caplog.text
+    assert SplitPolicy(TokenWeaveConfig(), nvl).entries == []
+    assert caplog.text.count("no tuning table") == 1  # once per key
+
+
+def test_auto_skips_a_malformed_table_with_a_warning(tables_in, caplog):
+    """One bad cached file must not break every model: "auto" skips it, naming it."""
+    bad_json = tables_in / "a_bad.json"
+    bad_json.write_text("{not json")
+    bad_entry = _write(tables_in, entries=[{"min_tokens": 0, "ctas": 3}], name="b_bad.json")
+    _write(tables_in, name="c_good.json")
+    policy = SplitPolicy(TokenWeaveConfig(), KEY)
+    assert policy.entries == ENTRIES
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(bad_json) in m and "not a JSON file" in m for m in warnings)
+    assert any(bad_entry in m and "unknown fields" in m for m in warnings)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not a JSON file"),
+    ('{"gpu": "NVIDIA H200"}', "not a TokenWeave tuning table"),
+    ('[1, 2]', "not a TokenWeave tuning table"),
+])
+def test_explicit_malformed_table_raises_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "mine.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        SplitPolicy(TokenWeaveConfig(tuning_table=str(path)), KEY)
 
 
 def test_table_key_of_cpu():
@@ -119,7 +195,7 @@ def test_table_with_unknown_comm_raises(tmp_path):
     ({"min_tokens": 0, "comm_ctas_alone": "64"}, "comm_ctas_alone must be an int"),
     ({"min_tokens": 0, "comm_ctas_alone": 500}, r"comm_ctas_alone must be an int in \[1, 128\]"),
     ({"min_tokens": 0, "split": True, "comm_ctas_attn": 0}, "comm_ctas_attn must be an int"),
-    ({"min_tokens": 0, "gemm_sm_carveout": True}, "gemm_sm_carveout must be an int"),
+    ({"min_tokens": 0, "gemm_sm_carveout": 16}, "unknown fields"),  # a removed knob
 ])
 def test_table_entries_with_bad_values_raise(tmp_path, entry, message):
     """A table's values obey the config's checks: a string "false" would split (it is truthy)
@@ -134,7 +210,7 @@ def _layer_follows_table(rank: int, world: int, table: str) -> list[tuple[int, i
     from megatron_tokenweave.models import SHAPES
 
     setup_tp(world)
-    cfg = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table=table)
+    cfg = TokenWeaveConfig(split_align=1, tuning_table=table)
     model = build_model("tokenweave", SHAPES["tiny"], 2, world, cfg)
     counts = []
     for seq in (32, 128):
@@ -146,8 +222,8 @@ def _layer_follows_table(rank: int, world: int, table: str) -> list[tuple[int, i
 
 
 def test_layer_plans_from_the_table(tmp_path):
-    """A table for this machine (cpu, TP=2, hidden 64, fp32) overrides split_threshold=0: below
-    64 tokens one fused op per row-parallel linear, from 64 on two (one per half)."""
+    """A table for this machine (cpu, TP=2, hidden 64, fp32) decides the split the config left
+    unset: below 64 tokens one fused op per row-parallel linear, from 64 on two (one per half)."""
     from _dist import run_ranks
 
     key = TableKey("cpu", 2, 64, "float32", False)
@@ -167,7 +243,7 @@ def test_execution_modes_have_their_own_tables_with_fallback(tmp_path, monkeypat
     eager = TableKey(KEY.gpu, KEY.tp, KEY.hidden, KEY.dtype, False, cuda_graphs=False)
     assert eager.file_name().endswith("_replicated_eager.json")
     _write(tmp_path, entries=[{"min_tokens": 0, "split": True}], name="graphs.json")
-    cfg = TokenWeaveConfig(split_threshold=NEVER_SPLIT, tuning_table="auto")
+    cfg = TokenWeaveConfig(tuning_table="auto")
     assert SplitPolicy(cfg, eager).plan(100).split is True  # only the graph table exists
     path = tmp_path / "eager.json"
     path.write_text(json.dumps({**json.loads(open(_write(tmp_path, name="e.json")).read()),
@@ -192,13 +268,18 @@ def test_tuner_keeps_the_simple_plan_inside_the_noise():
     assert pick({"alone32": 5.0, "alone64": 4.0, "collectives": 4.5}, 0.01) == "alone64"
 
 
-def test_table_plans_do_not_inherit_the_configs_mechanism(tmp_path):
-    """A table entry is what the tuner measured: the fused op without a carve-out unless the
-    entry says otherwise, whatever the config's own `comm` / `gemm_sm_carveout` are."""
-    cfg = TokenWeaveConfig(comm="collectives", gemm_sm_carveout=16,
-                           tuning_table=_write(tmp_path))
-    plan = SplitPolicy(cfg, KEY).plan(100)
-    assert (plan.comm, plan.gemm_sm_carveout) == ("fused", 0)
+def test_explicit_fields_win_over_the_table_and_unset_ones_take_it(tmp_path):
+    """An entry fills what the user left unset (its `comm` unnamed: the fused op it measured);
+    a field the user set wins, and an explicit split_threshold decides split-or-not."""
+    table = _write(tmp_path)
+    plan = SplitPolicy(TokenWeaveConfig(tuning_table=table), KEY).plan(4096)
+    assert plan == Plan(True, 8, 32, TokenWeaveConfig().comm_ctas_alone, "fused")
+    cfg = TokenWeaveConfig(comm="collectives", comm_ctas_mlp=4, split_threshold=NEVER_SPLIT,
+                           tuning_table=table)
+    assert SplitPolicy(cfg, KEY).plan(4096) == Plan(False, 8, 4, cfg.comm_ctas_alone,
+                                                    "collectives")
+    cfg = TokenWeaveConfig(split_threshold=0, comm_ctas_alone=16, tuning_table=table)
+    assert SplitPolicy(cfg, KEY).plan(100) == Plan(True, 16, 16, 16, "fused")
 
 
 def test_tuner_entries_start_unsplit_below_the_smallest_measured_count():
@@ -228,3 +309,5 @@ def test_policy_says_whether_a_plan_can_take_the_copy_engine_path(tmp_path):
         {"min_tokens": 4096, "split": False, "comm_ctas_alone": 128, "comm": "copy_engine"}])
     policy = SplitPolicy(TokenWeaveConfig(tuning_table=ce), KEY)
     assert policy.may_copy_engine and policy.plan(100).comm == "fused"
+    # An explicit comm wins over every entry: the table's copy_engine can no longer be planned.
+    assert not SplitPolicy(TokenWeaveConfig(comm="fused", tuning_table=ce), KEY).may_copy_engine

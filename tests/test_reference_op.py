@@ -6,8 +6,8 @@ weight and without (add only); residual_out separate (poisoned with NaN) or alia
 normed_out a strided view (chunk stride (n + GAP) * H) into a NaN-filled buffer, so unwritten rows
 and writes into the gaps both show; n in {0, 1, 3, 127, 128}; H in {8, 64, 136}; fp32/bf16/fp16.
 The reference accumulates in fp32 and rounds once, so results are within half an ulp of the dtype
-of the exact value. Every case also runs through `ops.fused.fused_allreduce_rmsnorm` with a
-`Workspace(backend="reference")`, whose results must be bit-identical.
+of the exact value. Every case also runs through `Communicator.allreduce_rmsnorm` with a
+reference-backend communicator, whose results must be bit-identical.
 All cases run in ONE spawned job; the tests assert on what the ranks returned.
 """
 
@@ -65,8 +65,8 @@ def _ratio(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
 def _reference_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_tokenweave.ops import fused_allreduce_rmsnorm, fused_allreduce_rmsnorm_reference
-    from megatron_tokenweave.workspace import Workspace
+    from megatron_tokenweave.communicator import Communicator
+    from megatron_tokenweave.ops import fused_allreduce_rmsnorm_reference
 
     group = dist.group.WORLD
     results = {}
@@ -99,14 +99,15 @@ def _reference_worker(rank: int, world: int) -> dict:
                 direct = (residual_out.clone(), buf.clone())
 
         # The same op through the dispatch, inputs and outputs in the workspace's buffers.
-        ws = Workspace(group, max(chunks * n, 1), hidden, dtype, torch.device("cpu"), "reference")
+        ws = Communicator(group, max(chunks * n, 1), hidden, dtype, torch.device("cpu"),
+                          "reference")
         partial = ws.partial[: chunks * n].view(chunks, n, hidden)
         partial.copy_(partials[rank])
         ws.normed.fill_(float("nan"))
         normed_out = ws.normed[: chunks * n].view(chunks, n, hidden) if with_weight else None
         residual_out = torch.full_like(residuals[rank], float("nan"))
-        fused_allreduce_rmsnorm(
-            ws, partial, residuals[rank].clone(), weight, EPS, residual_out, normed_out, layout
+        ws.allreduce_rmsnorm(
+            partial, residuals[rank].clone(), weight, EPS, residual_out, normed_out, layout
         )
         same_normed = True
         if with_weight:
@@ -179,8 +180,8 @@ def test_partial_is_not_modified(per_rank):
 
 
 def test_dispatch_through_reference_workspace_is_bit_identical(per_rank):
-    """`ops.fused_allreduce_rmsnorm` with a Workspace(backend="reference") gives exactly the
-    reference op's outputs, with partial and normed_out in the workspace's buffers."""
+    """`Communicator.allreduce_rmsnorm` on the reference backend gives exactly the reference
+    op's outputs, with partial and normed_out in the communicator's buffers."""
     for rank, results in enumerate(per_rank):
         for key, case in results.items():
             dispatch = case["dispatch"]

@@ -29,8 +29,8 @@ LAYERS = 3
 
 def _record(rank: int, world: int, comm: str = "fused", sp: bool = True,
             tokens: int = 40) -> list[tuple]:
-    import megatron_tokenweave.layer as layer_mod
     import megatron_tokenweave.linears as linears_mod
+    from megatron_tokenweave.communicator import Communicator
     from megatron_tokenweave.schedule import SideStream
 
     setup_tp(world)
@@ -63,16 +63,17 @@ def _record(rank: int, world: int, comm: str = "fused", sp: bool = True,
         log.append(("gemm", names[weight.data_ptr()], out.shape[1]))
         return original(x, weight, out)
 
-    def fused(ws, partial, residual, weight, *args, original=layer_mod.fused_allreduce_rmsnorm):
+    def fused(self, partial, residual, weight, *args, original=Communicator.allreduce_rmsnorm,
+              **kwargs):
         stream = "side" if state["side"] else "main"
-        phase = args[7] if len(args) > 7 else "whole"
-        log.append(("fused", stream, weight is None, partial.shape[1], phase))
-        return original(ws, partial, residual, weight, *args)
+        log.append(("fused", stream, weight is None, partial.shape[1],
+                    kwargs.get("phase", "whole")))
+        return original(self, partial, residual, weight, *args, **kwargs)
 
     patches = [
         (SideStream, "run", run), (SideStream, "record", record),
         (SideStream, "wait", staticmethod(wait)), (linears_mod, "_gemm_into", gemm),
-        (layer_mod, "fused_allreduce_rmsnorm", fused),
+        (Communicator, "allreduce_rmsnorm", fused),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     original_init = SideStream.__init__

@@ -1,7 +1,8 @@
 """Megatron's inference stack with the TokenWeave spec on 2 gloo ranks (TP=2, fp32, reference
 path): the static engine's greedy generations and the Flask text generation server's answers
 over real HTTP equal those of the stock local spec with the same weights; the server answers
-malformed requests with HTTP 400 and keeps serving.
+malformed requests with HTTP 400, a request that fails inside the engine with HTTP 500, and
+keeps serving. The request guard's verdicts are checked one by one in-process.
 
 One spawned job runs everything; the tests assert on what the ranks returned.
 """
@@ -13,7 +14,7 @@ import os
 import pytest
 import torch
 from _dist import build_model, randomize_norms_, record_fused_calls, run_ranks, setup_tp
-from _serving import check_server_answers, serve_and_query
+from _serving import arm_engine_fault, check_server_answers, serve_and_query
 
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.launch import free_port
@@ -25,6 +26,27 @@ THRESHOLD = 16
 MAX_BATCH, MAX_SEQ = 4, 96
 NEW_TOKENS = 12
 PROMPTS = ["The quick brown fox", "TokenWeave: overlap!", "tensor parallel", "a"]
+
+
+def _megatron_assertion_then_greedy(engine) -> tuple[str, list[list[int]]]:
+    """Megatron's own assertion inside the engine (top_k with top_p, which the guard refuses
+    before the engine): the error, then the greedy tokens of PROMPTS through the same engine."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_tokenweave.serving.engines import generated_tokens, greedy
+    from megatron_tokenweave.serving.http import EngineError, RequestScopedEngine
+
+    scoped = RequestScopedEngine(engine)
+    try:
+        scoped.generate(prompts=PROMPTS[:2], sampling_params=SamplingParams(
+            top_k=1, top_p=1.0, num_tokens_to_generate=NEW_TOKENS))
+        error = ""
+    except EngineError as err:
+        error = str(err)
+    again = scoped.generate(prompts=PROMPTS, sampling_params=greedy(NEW_TOKENS))
+    return error, generated_tokens(again)
+
+
 def _serving_worker(rank: int, world: int, ports: list[int]) -> dict:
     from megatron_tokenweave.cpu_compat import cpu_inference_scope
     from megatron_tokenweave.serving.engines import generated_tokens, greedy, static_engine
@@ -40,6 +62,7 @@ def _serving_worker(rank: int, world: int, ports: list[int]) -> dict:
     out: dict = {}
     with cpu_inference_scope():
         for name, model in (("stock", stock), ("tokenweave", woven)):
+            arm_engine_fault(model)
             engine = static_engine(model, tokenizer, MAX_BATCH, MAX_SEQ)
             with record_fused_calls() as calls:
                 requests = engine.generate(prompts=PROMPTS, sampling_params=greedy(NEW_TOKENS))
@@ -47,6 +70,7 @@ def _serving_worker(rank: int, world: int, ports: list[int]) -> dict:
                              text=[r.generated_text for r in requests], calls=list(calls))
             out[name]["http"] = serve_and_query(engine, ports[name == "tokenweave"], PROMPTS,
                                                 NEW_TOKENS, MAX_BATCH, MAX_SEQ)
+            out[name]["after_assertion"] = _megatron_assertion_then_greedy(engine)
     return out
 
 
@@ -83,10 +107,23 @@ def test_static_engine_runs_the_woven_paths(per_rank):
 def test_flask_server_matches_stock_and_refuses_malformed_requests(per_rank):
     """PUT /api and POST /completions (greedy) over HTTP: status 200 and the same tokens and text
     from the TokenWeave server as from the stock one, /api agreeing with the engine; every
-    malformed request gets HTTP 400 with a message and the next good request is answered exactly
-    as before (no rank was left in a collective)."""
+    malformed request gets HTTP 400 with a JSON error naming the field, a request that fails
+    inside the engine gets HTTP 500 with a JSON error, and the next good request is answered
+    exactly as by the fresh server (the failed request left the engine; no rank was left in a
+    collective)."""
     check_server_answers(per_rank[0]["stock"]["http"], per_rank[0]["tokenweave"]["http"],
                          per_rank[0]["tokenweave"]["tokens"], PROMPTS, MAX_BATCH, MAX_SEQ)
+
+
+def test_engine_keeps_serving_after_megatron_asserts(per_rank):
+    """Megatron's own assertion (top_k with top_p) inside the static engine fails that generate
+    only: the next greedy generate through the same engine returns the fresh engine's tokens
+    (Megatron's engine alone would batch the failed request into it and fail again)."""
+    for result in per_rank:
+        for name in ("stock", "tokenweave"):
+            error, tokens = result[name]["after_assertion"]
+            assert "Cannot have top-p and top-k both greater than zero" in error, error
+            assert tokens == result[name]["tokens"]
 
 
 def test_tokenizer_round_trip():
@@ -101,47 +138,108 @@ def test_tokenizer_round_trip():
     assert torch.tensor(tok.offsets([104, 300, 105], "h<300>i")).tolist() == [0, 1, 6]
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "problem"),
-    [
-        ("/api", None, "JSON object"),
-        ("/api", [1, 2], "JSON object"),
-        ("/api", {}, "prompts is required"),
-        ("/api", {"prompts": [1]}, "list of strings"),
-        ("/api", {"prompts": ["ok"], "tokens_to_generate": True}, "integer >= 0"),
-        ("/api", {"prompts": ["ok"], "tokens_to_generate": 2.5}, "integer >= 0"),
-        ("/api", {"prompts": ["ok", ""]}, "prompt 1 is empty"),
-        ("/api", {"prompts": ["é" * 20], "tokens_to_generate": 60}, "100 > the server's maximum"),
-        ("/completions", {"max_tokens": 1}, "prompt is required"),
-        ("/completions", {"prompt": [[1, 2]], "max_tokens": 1}, "list of strings"),
-        ("/completions", {"prompt": "x", "max_tokens": 1, "top_k": 1.5}, "top_k must be an int"),
-        ("/completions", {"prompt": "x", "max_tokens": 1, "seed": False}, "seed must be an int"),
-        ("/completions", {"prompt": "x", "max_tokens": 1, "top_p": "1"}, "top_p must be a num"),
-    ],
-)
-def test_request_problem_names_what_is_wrong(path, body, problem):
-    """The guard's verdict on single malformed requests (2-byte characters count as 2 tokens)."""
-    from megatron_tokenweave.serving.http import request_problem
-    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
-
-    got = request_problem(path, body, ByteTokenizer(), max_batch_size=4, max_sequence_length=99)
-    assert got is not None and problem in got, got
+GUARD_LIMITS = dict(max_prompts=4, max_sequence_length=99, vocab_size=256)
 
 
 @pytest.mark.parametrize(
-    ("path", "body"),
+    ("dialect", "body", "field", "problem"),
     [
-        ("/api", {"prompts": ["hello"]}),
-        ("/api/", {"prompts": ["a", "b"], "tokens_to_generate": 0, "logprobs": True}),
-        ("/completions", {"prompt": "hello", "max_tokens": 8, "temperature": 0, "top_p": 1}),
-        ("/completions", {"prompt": ["a", "b"], "max_tokens": 93}),
+        ("api", None, None, "JSON object"),
+        ("api", [1, 2], None, "JSON object"),
+        ("api", {}, "prompts", "prompts is required"),
+        ("api", {"prompts": [1]}, "prompts", "a list of strings, got list"),
+        ("api", {"prompts": "x"}, "prompts", "must be a list of strings, got str"),
+        ("api", {"prompts": ["ok"], "tokens_to_generate": True}, "tokens_to_generate", ">= 0"),
+        ("api", {"prompts": ["ok"], "tokens_to_generate": 2.5}, "tokens_to_generate", ">= 0"),
+        ("api", {"prompts": ["ok"], "tokens_to_generate": 0, "logprobs": 1}, "logprobs", "true"),
+        ("api", {"prompts": ["ok", ""]}, "prompts", "prompts[1] is empty"),
+        ("api", {"prompts": ["é" * 20], "tokens_to_generate": 60}, "prompts",
+         "100 > the server's maximum"),
+        ("api", {"prompts": ["ok"], "temperature": 101}, "temperature", "(0.0, 100.0]"),
+        ("api", {"prompts": ["ok"], "top_k": 1001}, "top_k", "0..1000"),
+        ("api", {"prompts": ["ok"], "top_p": 0.5, "top_k": 1}, "top_k", "both be > 0"),
+        ("api", {"prompts": ["ok"], "top_p": 1.5}, "top_p", "[0.0, 1.0]"),
+        ("api", {"prompts": ["ok"], "stop_on_eol": True}, "stop_on_eol", "ignores it"),
+        ("api", {"prompts": ["ok"], "length_penalty": 1}, "length_penalty", "1.0 or left out"),
+        ("api", {"prompts": ["ok"], "max_len": 4}, "max_len", "tokens_to_generate"),
+        ("completions", {"max_tokens": 1}, "prompt", "prompt is required"),
+        ("completions", {"prompt": [[1, 2]], "max_tokens": 1}, "prompt", "a list of strings"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "top_k": 1.5}, "top_k", "integer"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "seed": False}, "seed", "integer"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "seed": 2 ** 24 + 1}, "seed", "1.."),
+        ("completions", {"prompt": "x", "max_tokens": 1, "top_p": "1"}, "top_p", "a number"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "top_p": float("nan")}, "top_p", "nan"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "top_k": 3}, "top_k",
+         "top_p is 1.0 by default here: send top_p: 0 with top_k"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "stop": [1]}, "stop", "strings"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "stream": True}, "stream", "False"),
+        ("completions", {"prompt": "x", "max_tokens": 1, "echo": "yes"}, "echo", "true or false"),
+        ("completions", {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 11},
+         "logprobs", "0..10"),
+        ("openai", {"prompt": [1, 256]}, "prompt", "0..255"),
+        ("openai", {"prompt": [[]]}, "prompt", "prompt[0] is empty"),
+        ("openai", {"prompt": [1.5]}, "prompt", "token ids"),
+        ("openai", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+        ("openai", {"prompt": "x", "max_tokens": 99}, "prompt", "100 > the server's maximum"),
+        ("openai", {"prompt": "x", "logprobs": 2, "echo": True}, "logprobs", "echo"),
+        ("openai", {"prompt": "x", "seed": 3}, "seed", "ignores it"),
+        ("openai", {"prompt": "x", "top_k": 5}, "top_k", "send top_p: 0"),
+        ("openai", {"prompt": ["x"] * 5}, "prompt", "at most 4"),
     ],
 )
-def test_request_problem_accepts_good_requests(path, body):
-    from megatron_tokenweave.serving.http import request_problem
+def test_request_guard_names_what_is_wrong(dialect, body, field, problem):
+    """The guard's verdict on single bad requests: the field it names and why (2-byte characters
+    count as 2 tokens)."""
+    from megatron_tokenweave.serving.guard import Limits, request_problem
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
-    assert request_problem(path, body, ByteTokenizer(), 4, 99) is None
+    got = request_problem(dialect, body, ByteTokenizer(), Limits(**GUARD_LIMITS))
+    assert got is not None and got.field == field and problem in got.message, got
+    assert got.body() == {"error": got.message, "field": field}
+
+
+@pytest.mark.parametrize(
+    ("dialect", "body"),
+    [
+        ("api", {"prompts": ["hello"]}),
+        ("api", {"prompts": ["a", "b"], "tokens_to_generate": 0, "logprobs": True}),
+        ("api", {"prompts": ["a"], "top_p": 0.9, "temperature": 0.5, "add_BOS": False,
+                 "stop_token": 50256, "length_penalty": 1.0}),
+        ("completions", {"prompt": "hello", "max_tokens": 8, "temperature": 0, "top_p": 1}),
+        ("completions", {"prompt": "hello", "max_tokens": 8, "temperature": 0, "top_k": 7}),
+        ("completions", {"prompt": ["a", "b"], "max_tokens": 98}),
+        ("completions", {"prompt": "a", "max_tokens": 4, "top_k": 5, "top_p": 0, "seed": 9,
+                         "n": 1, "stream": False, "stop": "\n", "model": "any"}),
+        ("completions", {"prompt": "a", "max_tokens": 0, "echo": True, "logprobs": 10}),
+        ("openai", {"prompt": "hello"}),
+        ("openai", {"prompt": [[1, 2], [3]], "max_tokens": 97, "logprobs": 3, "ignore_eos": True}),
+        ("openai", {"prompt": [104, 105], "temperature": 0.7, "top_p": 0.9, "n": 1.0}),
+    ],
+)
+def test_request_guard_accepts_good_requests(dialect, body):
+    from megatron_tokenweave.serving.guard import Limits, request_problem
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    assert request_problem(dialect, body, ByteTokenizer(), Limits(**GUARD_LIMITS)) is None
+
+
+def test_request_guard_keeps_the_first_forward_in_the_workspace():
+    """The static engine's first forward runs every prompt up to the shortest one's length (its
+    whole length when nothing is generated; every slot of the batch under CUDA graphs): more
+    rows than the TokenWeave workspace holds are refused before the engine sees them."""
+    from megatron_tokenweave.serving.guard import Limits, request_problem
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    limits = Limits(**GUARD_LIMITS, max_prefill_tokens=40)
+    tok = ByteTokenizer()
+    check = lambda body, lim=limits: request_problem("api", body, tok, lim)  # noqa: E731
+    assert check({"prompts": ["x" * 10, "y" * 30], "tokens_to_generate": 4}) is None  # 2 x 10
+    assert check({"prompts": ["x" * 25, "y" * 30], "tokens_to_generate": 4}).field == "prompts"
+    refusal = check({"prompts": ["x" * 10, "y" * 30], "tokens_to_generate": 0, "logprobs": True})
+    assert refusal is not None and "60 tokens" in refusal.message  # 2 x 30
+    padded = Limits(**GUARD_LIMITS, max_prefill_tokens=40, pads_batch=True)
+    assert "44 tokens" in check({"prompts": ["x" * 11], "tokens_to_generate": 4},
+                                padded).message  # 4 x 11
 
 
 def _pretend_gpu(monkeypatch, capability: tuple[int, int], fa3: bool, fa4: bool) -> None:

@@ -58,9 +58,6 @@ VARIANTS = {
     "tokenweave_ce_split": (False, {"comm": "copy_engine", "split_threshold": 0,
                                     "comm_ctas_attn": 128, "comm_ctas_mlp": 128,
                                     "tuning_table": "none"}),
-    "tokenweave_sp_split_c16": (
-        True, {"split_threshold": 0, "gemm_sm_carveout": 16, "tuning_table": "none"}
-    ),
 }
 
 

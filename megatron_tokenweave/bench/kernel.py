@@ -8,14 +8,14 @@ Rows: tokenweave (sequence-parallel layout, bulk-copy path where it applies),
 tokenweave_copy_engine (the same layout on the copy-engine data path),
 tokenweave_replicated (--replicated-ctas; the layout NCCL+norm and FlashInfer produce; the
 one-shot path where it applies: kernels.oneshot_applies), and where it applies also
-tokenweave_replicated_barrier (forced onto the barrier path with TOKENWEAVE_NO_ONESHOT=1) and
+tokenweave_replicated_barrier (a communicator with the one-shot path off) and
 *_graph rows (flashinfer_graph, tokenweave_replicated_graph,
 tokenweave_replicated_barrier_graph): CUDA-graph replays of 10 calls / 10, device time without
 host overhead,
-tokenweave_regs (register path forced with TOKENWEAVE_NO_BULK=1, at --regs-ctas),
+tokenweave_regs (a communicator with the bulk pipeline off: the register path, at --regs-ctas),
 tokenweave_graph (--graph-ctas, CUDA-graph replay of 10 calls / 10: device time without host
-overhead), tokenweave_localstores (--graph-ctas, diagnostics only:
-TOKENWEAVE_DEBUG_LOCAL_STORES=1 skips the remote stores of normed rows), flashinfer.
+overhead), tokenweave_localstores (--graph-ctas, diagnostics only: a communicator that skips
+the remote stores of normed rows), flashinfer.
 Overlap rows: see MECHANISMS (also written to the JSON).
     (or python -m megatron_tokenweave.bench.kernel ...)
 
@@ -26,11 +26,14 @@ inputs rotated over > L2 bytes. Never uses NVLink multicast (the env kill-switch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,13 +42,33 @@ import torch.nn.functional as F
 
 from megatron_tokenweave.bench.timing import capture_graph
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
-from megatron_tokenweave.schedule import gemm_sm_carveout
 
 NVLINK_BOUND_GBPS = 381.0
 EPS = 1e-5
 L2_BYTES = 60 << 20
 GRAPH_CALLS = 10
 CE_MECHANISM = "copy_engine_probe"
+
+
+@contextlib.contextmanager
+def gemm_sm_carveout(sms: int) -> Iterator[None]:
+    """Inside the scope, cuBLASLt GEMMs target all but `sms` SMs (torch's experimental carve-out;
+    read when a GEMM is issued): the `tokenweave_p2p_gemm_carveout` mechanism; the layers never
+    do this (it slowed the GEMM more than it helped the kernel, docs/kernel.md)."""
+    if sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    previous_library = torch.backends.cuda.preferred_blas_library()
+    previous = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+        torch.backends.cuda.preferred_blas_library(previous_library)
+
+
 MECHANISMS = {
     "tokenweave_p2p_side_stream": "the fused op (SM-driven peer loads/stores, bulk copies) on a "
     "high-priority side stream, launched before the GEMM",
@@ -106,6 +129,13 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     w = torch.ones(H, dtype=dtype, device=dev) + 0.01 * torch.randn(H, device=dev).to(dtype)
     buf = kernels.SymmetricBuffer(group, args.buffer_mb << 20, dev)
     mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
+    # One communicator per protocol setting compared (every rank creates the same ones).
+    variants = {"default": kernels.KernelSettings(),
+                "barrier": kernels.KernelSettings(oneshot=False),
+                "regs": kernels.KernelSettings(bulk=False),
+                "localstores": kernels.KernelSettings(local_stores_only=True)}
+    comms = {name: kernels.KernelComm(buf, settings) for name, settings in variants.items()}
+    comms["default"].attach_mirror(mirror)
     rows, overlap = [], []
     symm_reason = None
     symm = None
@@ -178,21 +208,17 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         for p in rparts:
             p.normal_()
         for ctas in args.replicated_ctas:
-            def rep(i, ctas=ctas):
-                kernels.fused_allreduce_rmsnorm(rparts[i % kr], r, w, EPS, outs[0],
-                                                outs[1].view(1, T, H), Layout.REPLICATED, buf,
-                                                ctas=ctas, validate=False)
+            def rep(i, ctas=ctas, comm=comms["default"]):
+                comm.run(rparts[i % kr], r, w, EPS, outs[0], outs[1].view(1, T, H),
+                         Layout.REPLICATED, ctas=ctas, validate=False)
 
             add_row("tokenweave_replicated", T, ctas, _time(rep, args.iters))
             if graphed:
                 add_row("tokenweave_replicated_graph", T, ctas, _time_graph(rep, args.iters))
-                os.environ["TOKENWEAVE_NO_ONESHOT"] = "1"
-                try:
-                    add_row("tokenweave_replicated_barrier", T, ctas, _time(rep, args.iters))
-                    add_row("tokenweave_replicated_barrier_graph", T, ctas,
-                            _time_graph(rep, args.iters))
-                finally:
-                    os.environ.pop("TOKENWEAVE_NO_ONESHOT", None)
+                barrier = functools.partial(rep, ctas=ctas, comm=comms["barrier"])
+                add_row("tokenweave_replicated_barrier", T, ctas, _time(barrier, args.iters))
+                add_row("tokenweave_replicated_barrier_graph", T, ctas,
+                        _time_graph(barrier, args.iters))
 
         # tokenweave, sequence-parallel layout: partial [2, T/2, H] and normed [2, T/2, H]
         n = T // world
@@ -205,31 +231,19 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         res = torch.randn(n, H, device=dev).to(dtype)
         res_out = torch.empty_like(res)
         for ctas in args.ctas:
-            def tw(i, ctas=ctas):
-                kernels.fused_allreduce_rmsnorm(parts[i % k], res, w, EPS, res_out, normed,
-                                                Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
-                                                validate=False)
+            def tw(i, ctas=ctas, comm=comms["default"], path="sm"):
+                comm.run(parts[i % k], res, w, EPS, res_out, normed, Layout.SEQUENCE_PARALLEL,
+                         ctas=ctas, path=path, validate=False)
 
             add_row("tokenweave", T, ctas, _time(tw, args.iters))
-
-            def tw_ce(i, ctas=ctas):
-                kernels.fused_allreduce_rmsnorm(parts[i % k], res, w, EPS, res_out, normed,
-                                                Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
-                                                validate=False, mirror=mirror)
-
+            tw_ce = functools.partial(tw, ctas=ctas, path="copy_engine")
             add_row("tokenweave_copy_engine", T, ctas, _time(tw_ce, args.iters))
             if ctas in args.regs_ctas:  # the register path (no bulk copies), for comparison
-                os.environ["TOKENWEAVE_NO_BULK"] = "1"
-                try:
-                    add_row("tokenweave_regs", T, ctas, _time(tw, args.iters))
-                finally:
-                    os.environ.pop("TOKENWEAVE_NO_BULK", None)
+                regs = functools.partial(tw, ctas=ctas, comm=comms["regs"])
+                add_row("tokenweave_regs", T, ctas, _time(regs, args.iters))
             if ctas == args.graph_ctas:  # diagnostics: normed rows not stored to the peer
-                os.environ["TOKENWEAVE_DEBUG_LOCAL_STORES"] = "1"
-                try:
-                    add_row("tokenweave_localstores", T, ctas, _time(tw, args.iters))
-                finally:
-                    os.environ.pop("TOKENWEAVE_DEBUG_LOCAL_STORES", None)
+                local = functools.partial(tw, ctas=ctas, comm=comms["localstores"])
+                add_row("tokenweave_localstores", T, ctas, _time(local, args.iters))
             if ctas == args.graph_ctas:  # device time without the host's per-call overhead
                 add_row("tokenweave_graph", T, ctas, _time_graph(tw, args.iters))
 
@@ -252,11 +266,11 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
         gemm_us = _time(gemm, args.iters)
 
-        def kernel_at(ctas, ce_mirror=None):
+        def kernel_at(ctas, path="sm"):
             def kern(i):
-                kernels.fused_allreduce_rmsnorm(part_o, res_o, w, EPS, res_oo, normed_o,
-                                                Layout.SEQUENCE_PARALLEL, buf, ctas=ctas,
-                                                validate=False, mirror=ce_mirror)
+                comms["default"].run(part_o, res_o, w, EPS, res_oo, normed_o,
+                                     Layout.SEQUENCE_PARALLEL, ctas=ctas, path=path,
+                                     validate=False)
             return kern
 
         # Copy engines (probe, data movement only): the bytes the op moves per rank, my rows of
@@ -280,7 +294,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         for ctas in args.ctas:
             mechanisms.append(("tokenweave_p2p_side_stream", ctas, kernel_at(ctas), 0))
             mechanisms.append(("tokenweave_copy_engine_side_stream", ctas,
-                               kernel_at(ctas, mirror), 0))
+                               kernel_at(ctas, "copy_engine"), 0))
             if ctas in args.carveout_ctas:
                 mechanisms.append(("tokenweave_p2p_gemm_carveout", ctas, kernel_at(ctas), ctas))
         for mechanism, ctas, op, carveout in mechanisms:
@@ -304,6 +318,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         one_tokens(T)
         torch.cuda.empty_cache()
     buf.check_error()
+    for comm in comms.values():
+        comm.close()
     buf.close()
     if flashinfer is not None:
         flashinfer.close()

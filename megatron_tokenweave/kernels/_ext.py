@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90,code=sm_90"]
+from megatron_tokenweave import build_flags
+
 _lock = threading.Lock()
 _loaded = False
 _load_error: str | None = None
@@ -43,8 +44,8 @@ def _jit_build(verbose: bool) -> None:
         name="megatron_tokenweave_C",
         sources=sources,
         extra_include_paths=[str(csrc / "include")],
-        extra_cuda_cflags=NVCC_FLAGS,
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=build_flags.nvcc_flags(),  # archs: TOKENWEAVE_CUDA_ARCHS, default 90
+        extra_cflags=build_flags.cxx_flags(),
         build_directory=str(build),
         is_python_module=False,
         verbose=verbose,
@@ -52,29 +53,19 @@ def _jit_build(verbose: bool) -> None:
 
 
 def _register_fakes() -> None:
-    """Fake (meta) implementations: the ops mutate their outputs in place and return nothing."""
+    """Fake (meta) implementations: the op mutates its outputs in place and returns nothing."""
 
     @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm")
-    def _fused_fake(partial, residual, weight, eps, residual_out, normed_out, sequence_parallel,
-                    bases, signal, rank, world, local_base, buffer_bytes, ctas, timeout_ns):
-        return None
-
-    @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm_multimem")
-    def _fused_mm_fake(partial, residual, weight, eps, residual_out, normed_out, sequence_parallel,
-                       bases, signal, rank, world, local_base, buffer_bytes, ctas, timeout_ns,
-                       multicast_base):
-        return None
-
-    @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm_copy_engine")
-    def _fused_ce_fake(partial, residual, weight, eps, residual_out, normed_out, sequence_parallel,
-                       bases, signal, rank, world, local_base, buffer_bytes, ctas, timeout_ns,
-                       sources, mirror, peer_data, mirrors, mirror_bytes, phase):
+    def _fused_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas, path,
+                    phase):
         return None
 
 
 def load_extension(verbose: bool = False) -> None:
     """Make `torch.ops.tokenweave.*` available; raise KernelUnavailableError if impossible."""
     global _loaded, _load_error
+    if _loaded:  # the hot path never gets here: communicators load the extension once
+        return
     with _lock:
         if _loaded:
             return

@@ -8,15 +8,15 @@ peer_data_base[p] + (tensor.data_ptr() - local_data_base).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from megatron_tokenweave.kernels._ext import load_extension
 from megatron_tokenweave.ops.validate import MAX_CTAS
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENWEAVE_KERNEL_TIMEOUT_S", "10"))
+# How long a kernel waits for a peer before it records an error and writes NaN (the
+# communicator's agreed TOKENWEAVE_KERNEL_TIMEOUT_S overrides it).
+DEFAULT_TIMEOUT_S = 10.0
 _ALIGN = 256
 _ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)"}
 # Barrier slots of the signal pad (signal.cuh): one per CTA index (kMaxCtas), then the
@@ -148,8 +148,8 @@ class SymmetricBuffer:
 
     def check_error(self) -> None:
         """Raise RuntimeError if a kernel on this rank gave up waiting for a peer. Syncs: for tests
-        and debugging, not for the hot path. After an error the buffer is unusable (kernels return
-        at once); create a new one."""
+        and debugging, not for the hot path. After an error the buffer is unusable (every later
+        launch writes NaN into its outputs); create a new one."""
         message = self.describe_error(*self.error())
         if message is not None:
             raise RuntimeError(message)

@@ -28,7 +28,7 @@ def allreduce_add_rmsnorm_collectives(
     layout: Layout,
     group: dist.ProcessGroup,
 ) -> None:
-    """See `ops.fused.fused_allreduce_rmsnorm` for the contract (arguments already checked)."""
+    """See `Communicator.allreduce_rmsnorm` for the contract (arguments already checked)."""
     chunks, rows, hidden = partial.shape
     if rows == 0:
         return

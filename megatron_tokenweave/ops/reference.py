@@ -27,7 +27,7 @@ def fused_allreduce_rmsnorm_reference(
     layout: Layout,
     group: dist.ProcessGroup,
 ) -> None:
-    """Reference of the fused op; see `ops.fused.fused_allreduce_rmsnorm` for the contract."""
+    """Reference of the fused op; see `Communicator.allreduce_rmsnorm` for the contract."""
     world = dist.get_world_size(group)
     check_fused_args(partial, residual, weight, residual_out, normed_out, layout, world)
     chunks, rows, hidden = partial.shape

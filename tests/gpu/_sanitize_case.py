@@ -34,19 +34,24 @@ def _worker(rank: int, world: int, port: int) -> None:
     n, hidden, dtype, eps = 37, 1024, torch.bfloat16, 1e-5
     buf = kernels.SymmetricBuffer(dist.group.WORLD, 4 << 20, device, timeout_s=300)
     mirror = kernels.CopyEngineMirror(buf, 1 << 20)
+    comms = {}
+    for bulk in (True, False):
+        for oneshot in (True, False):
+            comms[bulk, oneshot] = kernels.KernelComm(
+                buf, kernels.KernelSettings(bulk=bulk, oneshot=oneshot))
+            comms[bulk, oneshot].attach_mirror(mirror)
     gen = torch.Generator().manual_seed(7)
     # The replicated case on the one-shot path (default at this size), the barrier path and its
     # register variant; both layouts on the copy-engine path, replicated also in two phases.
     for layout, no_oneshot, no_bulk, ce, phased in (
-            (Layout.SEQUENCE_PARALLEL, "0", "0", None, False),
-            (Layout.REPLICATED, "0", "0", None, False),
-            (Layout.REPLICATED, "1", "0", None, False),
-            (Layout.REPLICATED, "1", "1", None, False),
-            (Layout.SEQUENCE_PARALLEL, "0", "0", mirror, False),
-            (Layout.REPLICATED, "0", "0", mirror, False),
-            (Layout.REPLICATED, "0", "0", mirror, True)):
-        os.environ["TOKENWEAVE_NO_ONESHOT"] = no_oneshot
-        os.environ["TOKENWEAVE_NO_BULK"] = no_bulk
+            (Layout.SEQUENCE_PARALLEL, False, False, False, False),
+            (Layout.REPLICATED, False, False, False, False),
+            (Layout.REPLICATED, True, False, False, False),
+            (Layout.REPLICATED, True, True, False, False),
+            (Layout.SEQUENCE_PARALLEL, False, False, True, False),
+            (Layout.REPLICATED, False, False, True, False),
+            (Layout.REPLICATED, False, False, True, True)):
+        comm = comms[not no_bulk, not no_oneshot]
         chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
         parts = [torch.randn(chunks, n, hidden, generator=gen).to(dtype) for _ in range(world)]
         res_all = [torch.randn(n, hidden, generator=gen).to(dtype) for _ in range(world)]
@@ -59,9 +64,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         normed.fill_(float("nan"))
         out = torch.full_like(residual, float("nan"))
         dist.barrier()
-        args = (partial, residual, weight.cuda(), eps, out, normed, layout, buf)
+        args = (partial, residual, weight.cuda(), eps, out, normed, layout)
         for phase in (("transfer", "reduce") if phased else ("whole",)):
-            kernels.fused_allreduce_rmsnorm(*args, ctas=4, mirror=ce, phase=phase)
+            comm.run(*args, ctas=4, path="copy_engine" if ce else "sm", phase=phase)
         torch.cuda.synchronize()
         dist.barrier()
         mine = rank if chunks > 1 else 0
@@ -76,9 +81,11 @@ def _worker(rank: int, world: int, port: int) -> None:
                     for c in range(chunks))
         if not (err_y < 0.1 and err_n < 0.1):
             raise SystemExit(f"rank {rank} {layout.value} no_oneshot={no_oneshot} "
-                             f"no_bulk={no_bulk} copy_engine={ce is not None} "
+                             f"no_bulk={no_bulk} copy_engine={ce} "
                              f"phased={phased}: errors "
                              f"{err_y} {err_n}")
+    for comm in comms.values():
+        comm.close()
     buf.close()
     dist.destroy_process_group()
 

@@ -5,10 +5,12 @@
   registers, one-shot, copy engines, the copy-engine op as a transfer on a side stream and a
   reduction on the main stream); 10,000 consecutive calls and 1,000 CUDA-graph replays per path;
   two phased ops in flight, with a peer poisoning its partial before the other rank reduces;
-  a peer that never arrives -> check_error raises.
+  a peer that never arrives -> NaN outputs and check_error raises.
 * test_kernel_protocol_one_gpu: 2 processes sharing one GPU (gloo + CUDA IPC): the inter-rank
   protocol on every data path (the phased copy-engine op included), bf16 and fp16, against a
-  locally computed expectation, and the timeout path.
+  locally computed expectation, and the timeout path: eagerly and under CUDA-graph replay (the
+  serving arrangement), a peer that skips a call gives NaN outputs and a RuntimeError naming the
+  peer, the slot and the timeout.
 All cases of a test run inside one spawned job (one extension load, one process group).
 """
 
@@ -100,20 +102,32 @@ def _case_tensors(buf, layout, n, hidden, dtype, world, rank, seed, weight_on, a
     return part, res_in, weight, residual_out, normed, residual
 
 
-def _call(kernels, args: tuple, buf, ctas: int, mirror, phased: bool, validate: bool = True):
+def _comms(kernels, buf, mirror) -> dict:
+    """One KernelComm per (bulk, oneshot) setting over the same buffer (the protocol state lives
+    in the buffer's signal pad; a handle only describes it), each with the copy-engine mirror."""
+    comms = {}
+    for bulk, oneshot in itertools.product((True, False), repeat=2):
+        comm = kernels.KernelComm(buf, kernels.KernelSettings(bulk=bulk, oneshot=oneshot))
+        if mirror is not None:
+            comm.attach_mirror(mirror)
+        comms[bulk, oneshot] = comm
+    return comms
+
+
+def _call(comm, args: tuple, ctas: int, copy_engine: bool, phased: bool,
+          validate: bool = True):
     """The op on the current stream; `phased`: its copy-engine transfer on a side stream, the
     reduction back on the current stream after an event (the woven layer's arrangement)."""
+    path = "copy_engine" if copy_engine else "sm"
     if not phased:
-        kernels.fused_allreduce_rmsnorm(*args, buf, ctas=ctas, mirror=mirror, validate=validate)
+        comm.run(*args, ctas=ctas, path=path, validate=validate)
         return
     main, side = torch.cuda.current_stream(), _side_stream()
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        kernels.fused_allreduce_rmsnorm(*args, buf, ctas=ctas, mirror=mirror, validate=validate,
-                                        phase="transfer")
+        comm.run(*args, ctas=ctas, path=path, validate=validate, phase="transfer")
     main.wait_stream(side)
-    kernels.fused_allreduce_rmsnorm(*args, buf, ctas=ctas, mirror=mirror, validate=validate,
-                                    phase="reduce")
+    comm.run(*args, ctas=ctas, path=path, validate=validate, phase="reduce")
 
 
 @functools.cache
@@ -130,6 +144,7 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     dev = torch.device("cuda", rank)
     buf = kernels.SymmetricBuffer(group, 320 << 20, dev)
     mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
+    comms = _comms(kernels, buf, mirror)
     t0 = time.time()
     ncase = nphased = 0
     seed = 1
@@ -149,9 +164,9 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                             if weight_on else None
                         fused_allreduce_rmsnorm_reference(part.clone(), residual, w, EPS, ref_res,
                                                           ref_normed, layout, group)
-                        # Every third case on the register path (TOKENWEAVE_NO_BULK=1), the
-                        # others on the bulk-copy pipeline; small replicated calls take the
-                        # one-shot path unless TOKENWEAVE_NO_ONESHOT=1 (every other case).
+                        # Every third case on the register path (bulk off), the others on the
+                        # bulk-copy pipeline; small replicated calls take the one-shot path
+                        # unless the communicator has it off (every other case).
                         # A third of the blocks of 8 cases on the copy-engine path.
                         regs = seed % 3 == 0
                         no_oneshot = (seed // 4) % 2 == 1  # independent of ctas, weight, alias
@@ -162,12 +177,8 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                         phased = ce and (seed // 24) % 2 == 0 and phases_apply(layout, w)
                         if phased and seed % 8 >= 6:
                             ctas = 128
-                        os.environ["TOKENWEAVE_NO_BULK"] = "1" if regs else "0"
-                        os.environ["TOKENWEAVE_NO_ONESHOT"] = "1" if no_oneshot else "0"
-                        _call(kernels, (part, res_in, w, EPS, res_out, normed, layout), buf,
-                              ctas, mirror if ce else None, phased)
-                        os.environ.pop("TOKENWEAVE_NO_BULK")
-                        os.environ.pop("TOKENWEAVE_NO_ONESHOT")
+                        _call(comms[not regs, not no_oneshot],
+                              (part, res_in, w, EPS, res_out, normed, layout), ctas, ce, phased)
                         what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
                                 f"n={n} weight={weight_on} alias={alias} ctas={ctas} "
                                 f"regs={regs} no_oneshot={no_oneshot} copy_engine={ce} "
@@ -187,10 +198,13 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     loops = ((Layout.SEQUENCE_PARALLEL, 256, None, False), (Layout.REPLICATED, 64, None, False),
              (Layout.SEQUENCE_PARALLEL, 256, mirror, False),
              (Layout.REPLICATED, 1000, mirror, False), (Layout.REPLICATED, 1000, mirror, True))
-    t_loops = [_consecutive_calls(buf, group, rank, dev, layout, n, m, phased)
+    t_loops = [_consecutive_calls(buf, comms[True, True], group, rank, dev, layout, n,
+                                  m is not None, phased)
                for layout, n, m, phased in loops]
-    _phased_in_flight(buf, mirror, group, rank, dev)
+    _phased_in_flight(buf, comms[True, True], group, rank, dev)
     buf.check_error()
+    for comm in comms.values():
+        comm.close()
     buf.close()
 
     _timeout_check(group, rank, dev)
@@ -201,10 +215,9 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _consecutive_calls(buf, group, rank, dev, layout, n, mirror, phased) -> float:
+def _consecutive_calls(buf, comm, group, rank, dev, layout, n, copy_engine, phased) -> float:
     """10,000 calls alternating two inputs, then 500 replays of a graph of 2 calls; the largest
     error against the reference stays small and finite. Returns the seconds of the 10,000."""
-    from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
 
     dtype, hidden, world = torch.bfloat16, 8192, dist.get_world_size(group)
@@ -223,12 +236,12 @@ def _consecutive_calls(buf, group, rank, dev, layout, n, mirror, phased) -> floa
     def step(k):
         src, residual, w, ref_res, ref_normed = sets[k]
         part.copy_(src)
-        _call(kernels, (part, residual, w, EPS, res_out, normed, layout), buf, 8, mirror, phased,
+        _call(comm, (part, residual, w, EPS, res_out, normed, layout), 8, copy_engine, phased,
               validate=False)
         err.copy_(torch.maximum(err, (normed.float() - ref_normed.float()).abs().max()))
         err.copy_(torch.maximum(err, (res_out.float() - ref_res.float()).abs().max()))
 
-    what = f"rank {rank} {layout.value} n={n} copy_engine={mirror is not None} phased={phased}"
+    what = f"rank {rank} {layout.value} n={n} copy_engine={copy_engine} phased={phased}"
     t1 = time.time()
     for i in range(10000):
         step(i % 2)
@@ -255,12 +268,11 @@ def _consecutive_calls(buf, group, rank, dev, layout, n, mirror, phased) -> floa
     return t_loop
 
 
-def _phased_in_flight(buf, mirror, group, rank, dev) -> None:
+def _phased_in_flight(buf, comm, group, rank, dev) -> None:
     """The layer's arrangement: the transfers of two halves queued on the side stream before
     either reduction, the reductions on the main stream afterwards (128 CTAs). Then, for each
     rank in turn, the OTHER rank poisons its own partial rows after its transfers and
     reductions finished, before this rank reduces: the reduction reads only the local mirror."""
-    from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
     from megatron_tokenweave.ops.validate import Layout
 
@@ -285,14 +297,12 @@ def _phased_in_flight(buf, mirror, group, rank, dev) -> None:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for args, _, _ in halves:
-                kernels.fused_allreduce_rmsnorm(*args, buf, ctas=128, mirror=mirror,
-                                                phase="transfer")
+                comm.run(*args, ctas=128, path="copy_engine", phase="transfer")
         main.wait_stream(side)
 
         def reduce_all(halves=halves):
             for args, _, _ in halves:
-                kernels.fused_allreduce_rmsnorm(*args, buf, ctas=128, mirror=mirror,
-                                                phase="reduce")
+                comm.run(*args, ctas=128, path="copy_engine", phase="reduce")
 
         if rank != late:
             reduce_all()
@@ -312,9 +322,10 @@ def _phased_in_flight(buf, mirror, group, rank, dev) -> None:
 
 
 def _timeout_check(group, rank, dev) -> None:
-    """Rank 0 calls, rank 1 does not: rank 0's kernel gives up and check_error names rank 1, on
-    the barrier path (sequence parallel), the one-shot path (replicated, few rows) and the
-    copy-engine path."""
+    """Rank 0 calls, rank 1 does not: rank 0's kernel gives up, writes NaN into its output (not
+    the stale rows it held) and check_error names rank 1, on the barrier path (sequence
+    parallel), the one-shot path (replicated, few rows) and the copy-engine path; a later call
+    writes NaN at once (the error is sticky)."""
     from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.validate import Layout
 
@@ -322,20 +333,83 @@ def _timeout_check(group, rank, dev) -> None:
                               (Layout.REPLICATED, "one-shot exchange", False),
                               (Layout.REPLICATED, "START barrier", True)):
         buf = kernels.SymmetricBuffer(group, 1 << 20, dev, timeout_s=0.2)
-        mirror = kernels.CopyEngineMirror(buf, buf.nbytes) if ce else None
+        comm = kernels.KernelComm(buf)
+        if ce:
+            comm.attach_mirror(kernels.CopyEngineMirror(buf, buf.nbytes))
         n, hidden, dtype = 4, 1024, torch.bfloat16
         chunks = 2 if layout is Layout.SEQUENCE_PARALLEL else 1
         part = buf.view(dtype, (chunks, n, hidden), 0)
         part.normal_()
         residual = torch.randn(n, hidden, dtype=dtype, device=dev)
+        path = "copy_engine" if ce else "sm"
         if rank == 0:
-            kernels.fused_allreduce_rmsnorm(part, residual, None, EPS, residual.clone(), None,
-                                            layout, buf, ctas=2, mirror=mirror)
-            with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the {where}"):
-                buf.check_error()
+            for _ in range(2):
+                out = residual.clone()  # finite rows: what a silent failure would leave
+                comm.run(part, residual, None, EPS, out, None, layout, ctas=2, path=path)
+                torch.cuda.synchronize()
+                assert out.isnan().all(), f"{layout.value} ce={ce}: outputs not poisoned"
+                with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the "
+                                   f"{where} .*timeout 0.2 s"):
+                    buf.check_error()
         else:
             buf.check_error()  # nothing recorded here
+        comm.close()
         buf.close()
+
+
+def _failure_surfaces_under_graphs(group, rank, dev) -> None:
+    """The serving arrangement: the op and the communicator's error copy captured in one CUDA
+    graph, replayed in step by both ranks; then rank 1 skips one replay. Rank 0's replay gives
+    up, its outputs are NaN (not the previous replay's rows), and raise_if_failed (no sync,
+    reading the words the graph copied) raises naming the peer, the slot and the timeout; the
+    next replay writes NaN at once. Each data path: one-shot, barrier (bulk), copy engine."""
+    from megatron_tokenweave.bench.timing import capture_graph
+    from megatron_tokenweave.communicator import Communicator
+    from megatron_tokenweave.ops.validate import Layout
+
+    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "0.5"
+    hidden, dtype = 4096, torch.bfloat16
+    for rows, kind, where in ((8, "fused", "one-shot exchange"), (1100, "fused", "START barrier"),
+                              (8, "copy_engine", "START barrier")):
+        comm = Communicator(group, 2048, hidden, dtype, dev, "kernel")
+        comm.prepare_copy_engine()
+        part = comm.partial[:rows].view(1, rows, hidden)
+        src = _gen(900 + rank, (1, rows, hidden), dtype, dev)
+        residual = _gen(950, (rows, hidden), dtype, dev)
+        w = (1.0 + 0.1 * _gen(951, (hidden,), dtype, dev)).to(dtype)
+        res_out = torch.empty(rows, hidden, dtype=dtype, device=dev)
+        normed = torch.empty(1, rows, hidden, dtype=dtype, device=dev)
+
+        def step(part=part, src=src, residual=residual, w=w, res_out=res_out, normed=normed,
+                 comm=comm, kind=kind):
+            part.copy_(src)
+            comm.allreduce_rmsnorm(part, residual, w, EPS, res_out, normed, Layout.REPLICATED,
+                                   ctas=4, comm=kind)
+            comm.record_errors()
+
+        graph = capture_graph(step)
+        what = f"rank {rank} rows={rows} comm={kind}"
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            comm.raise_if_failed()
+            assert res_out.isfinite().all() and normed.isfinite().all(), what
+        dist.barrier(group)
+        if rank == 0:
+            graph.replay()  # rank 1 skips this one
+            torch.cuda.synchronize()
+            assert res_out.isnan().all() and normed.isnan().all(), f"{what}: stale rows"
+            with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the {where} "
+                               r"\(.*timeout 0.5 s\)"):
+                comm.raise_if_failed()
+            res_out.zero_()
+            graph.replay()  # sticky: NaN at once
+            torch.cuda.synchronize()
+            assert res_out.isnan().all(), f"{what}: a later replay left rows unwritten"
+        dist.barrier(group)
+        del graph
+        comm.destroy()
+    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
 # The one-GPU check's data paths: the default choice (one-shot for small replicated calls, else
@@ -344,26 +418,25 @@ def _timeout_check(group, rank, dev) -> None:
 PATHS_ONE_GPU = ("default", "bulk", "registers", "copy_engine", "phased")
 
 
-def _misaligned_raise(kernels, buf, mirror, world, dev) -> None:
+def _misaligned_raise(comm) -> None:
     """Without the Python checks (validate=False: a layer's forwards after its first), a tensor
     that is not 16-byte aligned still raises from the op's own checks, before anything is
     launched (both ranks pass the same tensors and raise alike: no rank waits for another), on
     the SM-driven and the copy-engine path."""
     from megatron_tokenweave.ops.validate import Layout
 
-    n, hidden, dtype = 8, 4096, torch.bfloat16
-    part = buf.view(dtype, (1, n, hidden), 0)
+    n, hidden, dtype, dev = 8, 4096, torch.bfloat16, comm.buffer.device
+    part = comm.buffer.view(dtype, (1, n, hidden), 0)
     aligned = torch.randn(n, hidden, dtype=dtype, device=dev)
     shifted = torch.empty(n * hidden + 8, dtype=dtype, device=dev)[1:1 + n * hidden].view(n, hidden)
     w = torch.ones(hidden + 8, dtype=dtype, device=dev)
     normed = torch.empty(1, n, hidden, dtype=dtype, device=dev)
     cases = {"residual/residual_out": (shifted, w[:hidden]), "weight": (aligned, w[1:1 + hidden])}
     for name, (res, weight) in cases.items():
-        for m in (None, mirror):
+        for path in ("sm", "copy_engine"):
             with pytest.raises(RuntimeError, match=f"{name} is not 16-byte aligned"):
-                kernels.fused_allreduce_rmsnorm(part, res, weight, EPS, aligned.clone(), normed,
-                                                Layout.REPLICATED, buf, ctas=4, mirror=m,
-                                                validate=False)
+                comm.run(part, res, weight, EPS, aligned.clone(), normed, Layout.REPLICATED,
+                         ctas=4, path=path, validate=False)
 
 
 def _worker_one_gpu(rank: int, world: int, port: int) -> None:
@@ -378,6 +451,7 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     dev = torch.device("cuda", 0)
     buf = kernels.SymmetricBuffer(group, 64 << 20, dev)
     mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
+    comms = _comms(kernels, buf, mirror)
     seed = 500
     nphased = 0
     for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
@@ -401,12 +475,8 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
                     y = y_all[mine] + res_all[mine]
                     ce = path in ("copy_engine", "phased")
                     phased = path == "phased" and phases_apply(layout, w)
-                    os.environ["TOKENWEAVE_NO_BULK"] = "1" if path == "registers" else "0"
-                    os.environ["TOKENWEAVE_NO_ONESHOT"] = "0" if path == "default" else "1"
-                    _call(kernels, (part, res_in, w, EPS, res_out, normed, layout), buf, 4,
-                          mirror if ce else None, phased)
-                    os.environ.pop("TOKENWEAVE_NO_BULK")
-                    os.environ.pop("TOKENWEAVE_NO_ONESHOT")
+                    comm = comms[path != "registers", path == "default"]
+                    _call(comm, (part, res_in, w, EPS, res_out, normed, layout), 4, ce, phased)
                     what = (f"1-GPU rank {rank} {dtype} {layout.value} tokens={tokens} "
                             f"H={hidden} w={weight_on} path={path} phased={phased}")
                     torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
@@ -416,12 +486,15 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
                             torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
                     nphased += phased
     assert nphased >= 8, nphased
-    _misaligned_raise(kernels, buf, mirror, world, dev)
+    _misaligned_raise(comms[True, True])
     for _ in range(50):
-        kernels.fused_allreduce_rmsnorm(part, res_in, w, EPS, res_out, normed, layout, buf, ctas=4)
+        comms[True, True].run(part, res_in, w, EPS, res_out, normed, layout, ctas=4)
     buf.check_error()
+    for comm in comms.values():
+        comm.close()
     buf.close()
     _timeout_check(group, rank, dev)
+    _failure_surfaces_under_graphs(group, rank, dev)
     print(f"[rank {rank}] one-GPU protocol OK", flush=True)
     dist.destroy_process_group()
 

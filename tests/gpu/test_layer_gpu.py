@@ -73,22 +73,20 @@ def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
 
 
 def _count_fused_calls() -> list[str]:
-    """From now on in this rank, every fused op of a woven layer appends its mechanism (`comm`,
-    the layer's 11th positional argument) to the list, once per op (a copy-engine op issued as a
-    transfer and a reduction counts at its reduction; a layer that fell back to the stock path
-    appends nothing)."""
-    import megatron_tokenweave.layer as layer_mod
+    """From now on in this rank, every fused op of a woven layer appends its mechanism (`comm`)
+    to the list, once per op (a copy-engine op issued as a transfer and a reduction counts at
+    its reduction; a layer that fell back to the stock path appends nothing)."""
+    from megatron_tokenweave.communicator import Communicator
 
     calls: list[str] = []
-    original = layer_mod.fused_allreduce_rmsnorm
+    original = Communicator.allreduce_rmsnorm
 
-    def counting(*args, **kwargs):
-        phase = args[11] if len(args) > 11 else kwargs.get("phase", "whole")
-        if phase != "transfer":
-            calls.append(kwargs.get("comm", args[10]))
-        return original(*args, **kwargs)
+    def counting(self, *args, **kwargs):
+        if kwargs.get("phase", "whole") != "transfer":
+            calls.append(kwargs.get("comm", "fused"))
+        return original(self, *args, **kwargs)
 
-    layer_mod.fused_allreduce_rmsnorm = counting
+    Communicator.allreduce_rmsnorm = counting
     return calls
 
 

@@ -31,11 +31,13 @@
 // written after I passed END(e), i.e. after I consumed start = e and mid = e; and it writes
 // end = e + 1 only after START(e + 1) as on the SM path. No deadlock: each barrier kernel waits
 // only for the same kernel on the other ranks, issued in the same order everywhere. A missing
-// peer: the START kernel times out and records the error (slot kCopyEngineSlot); MID and END
-// then return at once, the copies read stale rows into this rank's own memory, and the host sees
-// the error (SymmetricBuffer.check_error), as on the SM path.
+// peer: the START kernel times out and records the error (slot kCopyEngineSlot); the copies then
+// read stale rows into this rank's own memory, but the reduction kernel finds the error and
+// writes NaN instead of its rows, and so do MID and END after the normed rows' copies; the host
+// raises the error (the communicator's error check), as on the SM path.
 #pragma once
 
+#include "tokenweave/fused_allreduce_rmsnorm.cuh"
 #include "tokenweave/signal.cuh"
 
 namespace tokenweave {
@@ -45,14 +47,16 @@ enum CopyEngineBarrier : int { kCeStart = 0, kCeMid = 1, kCeEnd = 2 };
 enum CopyEnginePhase : int { kCeWhole = 0, kCeTransfer = 1, kCeReduce = 2 };
 
 // One CTA of 32 threads: one barrier of the copy-engine op (START takes kCopyEngineSlot's next
-// epoch; MID and END use the epoch START took, or return if an error is recorded).
+// epoch; MID and END use the epoch START took). `p` holds the op's real bases (data, then signal
+// pads). With `poison` (the barriers after which no kernel of the op writes outputs any more),
+// a failed barrier, or one that finds an earlier error, writes NaN into the op's outputs.
 template <int kBarrier>
 __global__ void __launch_bounds__(32)
-    copy_engine_barrier_kernel(const int64_t* pad_bases, int rank, int world,
-                               uint64_t timeout_ns) {
+    copy_engine_barrier_kernel(const FusedParams p, uint32_t nan2, int poison) {
   __shared__ uint32_t s_epoch;
   __shared__ int s_fail;
-  SignalPad* self = reinterpret_cast<SignalPad*>(pad_bases[rank]);
+  const int64_t* pad_bases = p.bases + p.world;
+  SignalPad* self = reinterpret_cast<SignalPad*>(pad_bases[p.rank]);
   if (threadIdx.x == 0) {
     s_fail = 0;
     if (kBarrier == kCeStart) {
@@ -64,9 +68,11 @@ __global__ void __launch_bounds__(32)
   }
   __syncthreads();
   const uint32_t e = s_epoch;
-  if (e == 0) return;  // an earlier launch timed out: do nothing until the host reads the error
   constexpr int slot = kBarrier == kCeMid ? kCopyEngineMidSlot : kCopyEngineSlot;
-  cta_barrier<kBarrier == kCeEnd>(pad_bases, rank, world, slot, e, timeout_ns, &s_fail);
+  const bool ok =
+      e != 0 && cta_barrier<kBarrier == kCeEnd>(pad_bases, p.rank, p.world, slot, e,
+                                                p.timeout_ns, &s_fail);
+  if (!ok && poison) poison_outputs(p, nan2);
 }
 
 }  // namespace tokenweave

@@ -48,8 +48,8 @@ struct FusedParams {
   int sequence_parallel;      // 1: rank r reduces chunk r, stores normed rows to every peer
   float eps;
   uint64_t timeout_ns;
-  int debug_local_stores;     // benchmark diagnostics only (TOKENWEAVE_DEBUG_LOCAL_STORES=1):
-                              // store normed rows locally, not to peers (results then WRONG)
+  int local_stores_only;      // benchmark diagnostic only (the communicator's setting): store
+                              // normed rows locally, not to peers (results then WRONG)
   int copy_engine;            // copy-engine data path (copy_engine.cuh): bases[q] are local
                               // copies of the peers' rows; no barriers, normed rows stored
                               // locally only (the op's copies move them)
@@ -57,7 +57,7 @@ struct FusedParams {
 
 // Whether the kernel stores normed rows to the peers itself (sequence parallel).
 __device__ __forceinline__ bool stores_to_peers(const FusedParams& p) {
-  return !p.copy_engine && !p.debug_local_stores;
+  return !p.copy_engine && !p.local_stores_only;
 }
 
 // Where a normed vector at byte offset roff of the chunk goes: sequence parallel, this rank's
@@ -75,6 +75,49 @@ __device__ __forceinline__ void store_normed(const FusedParams& p, char* const (
   } else {
     *reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + roff) = out;
   }
+}
+
+// Failures are loud: a launch that cannot complete its rows (an earlier launch timed out, or a
+// peer never arrived) writes NaN into every output it was to write, so a consumer reads NaN, never
+// stale rows, until the host raises the recorded error. The CTAs of the launch (any grid) split
+// the rows by index; each writes residual_out and this rank's own copy of normed_out (every chunk
+// under sequence parallelism). `nan2`: two 16-bit quiet NaNs of the output dtype. Not inlined:
+// the failure path must not cost the data paths registers.
+inline __device__ __noinline__ void poison_outputs(const FusedParams& p, uint32_t nan2) {
+  const Vec16 nan = {{nan2, nan2, nan2, nan2}};
+  const int hv = p.hidden / kVecElems;
+  const int64_t row_bytes = static_cast<int64_t>(hv) * kVecBytes;
+  const int chunks = p.sequence_parallel ? p.world : 1;
+  char* own = reinterpret_cast<char*>(p.bases[p.rank]);
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    for (int col = threadIdx.x; col < hv; col += blockDim.x) {
+      const int64_t roff = row * row_bytes + static_cast<int64_t>(col) * kVecBytes;
+      store_vec(static_cast<char*>(p.residual_out) + roff, nan);
+      if (p.weight == nullptr) continue;
+      if (p.sequence_parallel) {
+        for (int c = 0; c < chunks; ++c)
+          store_vec(own + p.normed_off + c * p.normed_cstride + roff, nan);
+      } else {
+        store_vec(static_cast<char*>(p.normed_local) + roff, nan);
+      }
+    }
+  }
+}
+
+// Two quiet NaNs of T in one 32-bit word.
+template <typename T>
+__host__ __device__ constexpr uint32_t nan_pair();
+template <>
+__host__ __device__ constexpr uint32_t nan_pair<__nv_bfloat16>() { return 0x7FC07FC0u; }
+template <>
+__host__ __device__ constexpr uint32_t nan_pair<__half>() { return 0x7E007E00u; }
+
+// Thread 0: this launch's epoch of CTA b (0: an earlier launch failed). The copy-engine path's
+// kernel has no barriers of its own, only the error check.
+__device__ __forceinline__ uint32_t launch_epoch(const FusedParams& p, int b) {
+  SignalPad* self = reinterpret_cast<SignalPad*>(p.bases[p.world + p.rank]);
+  if (!p.copy_engine) return next_epoch(self, b);
+  return *reinterpret_cast<volatile uint32_t*>(&self->error[0]) == kOk ? 1u : 0u;
 }
 
 // Register path: rows per CTA iteration. Keeps np*vpt*rows vector loads (4 regs each) and
@@ -104,11 +147,14 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (tid == 0) {
     s_fail = 0;
-    s_epoch = p.copy_engine ? 1u : next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
+    s_epoch = launch_epoch(p, b);
   }
   __syncthreads();
   const uint32_t e = s_epoch;
-  if (e == 0) return;  // an earlier launch timed out: do nothing until the host reads the error
+  if (e == 0) {  // an earlier launch timed out: NaN until the host raises the error
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
 
   const int hv = p.hidden / kVecElems;  // vectors per row
   const bool norm = p.weight != nullptr;
@@ -116,8 +162,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   load_weight(p.weight, hv, w);
 
   if (!p.copy_engine &&
-      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) {
+    poison_outputs(p, nan_pair<T>());
     return;
+  }
 
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -182,7 +230,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
 
-  if (!p.copy_engine) cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
+  if (!p.copy_engine &&
+      !cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+    poison_outputs(p, nan_pair<T>());  // a peer's normed rows (or its reads) never completed
 }
 
 // Stages of the bulk path: at most kMaxStages, within kStageSmemBytes of dynamic shared memory.
@@ -209,13 +259,16 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (tid == 0) {
     s_fail = 0;
-    s_epoch = p.copy_engine ? 1u : next_epoch(reinterpret_cast<SignalPad*>(pad_bases[p.rank]), b);
+    s_epoch = launch_epoch(p, b);
     for (int s = 0; s < stages; ++s) mbar_init(&s_full[s], 1);
     fence_mbar_init();
   }
   __syncthreads();
   const uint32_t e = s_epoch;
-  if (e == 0) return;  // an earlier launch timed out: do nothing until the host reads the error
+  if (e == 0) {  // an earlier launch timed out: NaN until the host raises the error
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
 
   const int hv = p.hidden / kVecElems;  // vectors per row
   const bool norm = p.weight != nullptr;
@@ -223,8 +276,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   load_weight(p.weight, hv, w);
 
   if (!p.copy_engine &&
-      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) {
+    poison_outputs(p, nan_pair<T>());
     return;
+  }
 
   const int chunk = p.sequence_parallel ? p.rank : 0;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -302,7 +357,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
 
-  if (!p.copy_engine) cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail);
+  if (!p.copy_engine &&
+      !cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+    poison_outputs(p, nan_pair<T>());  // a peer's normed rows (or its reads) never completed
 }
 
 }  // namespace tokenweave

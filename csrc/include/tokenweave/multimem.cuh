@@ -9,7 +9,9 @@
 // Ordering uses the same unicast signal-pad barriers as the P2P kernel (signal.cuh).
 #pragma once
 
+#include "tokenweave/bulk_copy.cuh"  // TOKENWEAVE_SM90_ASM: multimem.* needs sm_90
 #include "tokenweave/common.cuh"
+#include "tokenweave/fused_allreduce_rmsnorm.cuh"
 #include "tokenweave/rmsnorm_row.cuh"
 #include "tokenweave/signal.cuh"
 
@@ -21,8 +23,8 @@ struct Multimem;
 template <>
 struct Multimem<__nv_bfloat16> {
   static __device__ __forceinline__ Vec16 ld_reduce(const void* mc) {
-    Vec16 v;
-    asm volatile(
+    Vec16 v{};  // the asm sets it (below sm_90 the asm is a trap)
+    TOKENWEAVE_SM90_ASM(
         "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0,%1,%2,%3}, [%4];"
         : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
         : "l"(mc)
@@ -30,17 +32,17 @@ struct Multimem<__nv_bfloat16> {
     return v;
   }
   static __device__ __forceinline__ void st(void* mc, const Vec16& v) {
-    asm volatile("multimem.st.relaxed.sys.global.v4.bf16x2 [%0], {%1,%2,%3,%4};" ::"l"(mc),
-                 "r"(v.u[0]), "r"(v.u[1]), "r"(v.u[2]), "r"(v.u[3])
-                 : "memory");
+    TOKENWEAVE_SM90_ASM("multimem.st.relaxed.sys.global.v4.bf16x2 [%0], {%1,%2,%3,%4};" ::"l"(mc),
+                        "r"(v.u[0]), "r"(v.u[1]), "r"(v.u[2]), "r"(v.u[3])
+                        : "memory");
   }
 };
 
 template <>
 struct Multimem<__half> {
   static __device__ __forceinline__ Vec16 ld_reduce(const void* mc) {
-    Vec16 v;
-    asm volatile(
+    Vec16 v{};  // the asm sets it (below sm_90 the asm is a trap)
+    TOKENWEAVE_SM90_ASM(
         "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0,%1,%2,%3}, [%4];"
         : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
         : "l"(mc)
@@ -48,9 +50,9 @@ struct Multimem<__half> {
     return v;
   }
   static __device__ __forceinline__ void st(void* mc, const Vec16& v) {
-    asm volatile("multimem.st.relaxed.sys.global.v4.f16x2 [%0], {%1,%2,%3,%4};" ::"l"(mc),
-                 "r"(v.u[0]), "r"(v.u[1]), "r"(v.u[2]), "r"(v.u[3])
-                 : "memory");
+    TOKENWEAVE_SM90_ASM("multimem.st.relaxed.sys.global.v4.f16x2 [%0], {%1,%2,%3,%4};" ::"l"(mc),
+                        "r"(v.u[0]), "r"(v.u[1]), "r"(v.u[2]), "r"(v.u[3])
+                        : "memory");
   }
 };
 
@@ -71,8 +73,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   __syncthreads();
   const uint32_t e = s_epoch;
-  if (e == 0) return;
-  if (!cta_barrier<false>(pad_bases, p.rank, p.world, b, e, p.timeout_ns, &s_fail)) return;
+  if (e == 0 || !cta_barrier<false>(pad_bases, p.rank, p.world, b, e, p.timeout_ns, &s_fail)) {
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
 
   const int hv = p.hidden / kVecElems;
   const bool norm = p.weight != nullptr;
@@ -117,7 +121,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
   }
-  cta_barrier<true>(pad_bases, p.rank, p.world, b, e, p.timeout_ns, &s_fail);
+  if (!cta_barrier<true>(pad_bases, p.rank, p.world, b, e, p.timeout_ns, &s_fail))
+    poison_outputs(p, nan_pair<T>());
 }
 
 }  // namespace tokenweave

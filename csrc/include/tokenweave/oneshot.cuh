@@ -26,11 +26,12 @@
 // which I reset; a peer writes (r - 1) % 3 = (r + 2) % 3 again only in round r + 2, after my round
 // r launch (and its reset) completed. No deadlock: pushes never wait, and CTA b polls only rows
 // pushed by CTA b of every peer, which pushes before it polls. Bounded: polls give up after
-// timeout_ns, record kTimeoutArrival and return without storing the rows they could not complete;
-// the round then never advances and later launches return at once (the error is sticky, as on
-// the barrier path). The partial buffer is free when the launch ends: peers never read it. The
-// round counter wraps at a multiple of 3. TOKENWEAVE_NO_ONESHOT must be set alike on every rank
-// (a rank on the barrier path and one on this path both time out).
+// timeout_ns, record kTimeoutArrival, write NaN into the CTA's outputs and return; the round then
+// never advances and later launches write NaN at once (the error is sticky, as on the barrier
+// path). The partial buffer is free when the launch ends: peers never read it. The
+// round counter wraps at a multiple of 3. Whether a call takes this path is the communicator's
+// setting, agreed by every rank when it is created (a rank on the barrier path and one on this
+// path would both time out).
 #pragma once
 
 #include "tokenweave/common.cuh"
@@ -91,7 +92,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     s_round = self->oneshot_round;
   }
   __syncthreads();
-  if (s_fail) return;  // an earlier launch timed out: do nothing until the host reads the error
+  if (s_fail) {  // an earlier launch timed out: NaN until the host raises the error
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
   const uint32_t r = s_round;
 
   const int hv = p.hidden / kVecElems;
@@ -172,7 +176,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     publish_warp_sum(ss, s_red[parity]);
     // One answer for every thread (a per-thread flag, not shared memory a faster thread could
     // set while others still read it); s_red[parity] is rewritten after another barrier.
-    if (__syncthreads_or(failed)) return;
+    if (__syncthreads_or(failed)) {
+      poison_outputs(p, nan_pair<T>());
+      return;
+    }
     if (!norm) continue;
     const float rs = block_rstd(s_red[parity], inv_h, p.eps);
 #pragma unroll

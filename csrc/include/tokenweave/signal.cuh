@@ -26,8 +26,10 @@
 // but this CTA's flags; every CTA eventually becomes resident (G <= kMaxCtas, other kernels on the
 // GPU do not wait on us), and ops are issued in the same order on every rank (caller's contract:
 // one op in flight per buffer). If a peer never arrives (crash, mismatched calls), the spin ends
-// after timeout_ns (%globaltimer) and the CTA records an error in pad.error and returns; later
-// launches see the error and return at once, until the host reads it (SymmetricBuffer.check_error).
+// after timeout_ns (%globaltimer) and the CTA records an error in pad.error, writes NaN into its
+// outputs and returns; later launches see the error and write NaN at once. The error is sticky: the
+// host raises it (the communicator copies the error words to pinned memory after every forward,
+// also inside CUDA graphs) and the buffer must be recreated.
 #pragma once
 
 #include "tokenweave/common.cuh"

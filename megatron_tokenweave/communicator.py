@@ -1,0 +1,395 @@
+"""The communicator: one owner of the fused op per (TP group, dtype, hidden size, device).
+
+It owns the communication buffers (sized once: row-parallel GEMMs write partial sums into
+`partial`, the fused op writes normed rows into `normed`, so the hot path neither allocates nor
+copies), and on the kernel backend the symmetric buffer, the copy-engine mirror, the error words
+and the C++ communicator (kernels.KernelComm). Everything that decides the protocol is settled
+when it is created and **agreed by every rank** (`agree`): the backend, the kernel settings and the
+`TOKENWEAVE_*` variables, checked equal everywhere with one all-reduce before any other
+collective, so a variable set on one rank only, or a rank without the CUDA extension, is a clear
+error on every rank instead of ranks that take different protocols and hang.
+
+Backends: "kernel" (the CUDA P2P kernels, every rank a GPU of this node with peer access),
+"collectives" (NCCL in the activations' dtype + add + norm: GPUs without peer access, e.g.
+across nodes), "reference" (the fp32 torch.distributed definition: CPU and tests).
+
+Failures surface: a kernel that gives up waiting for a peer writes NaN into its outputs, and
+`record_errors()` (the woven block's last layer; captured into CUDA graphs too) copies the
+error words to pinned memory without a sync; `raise_if_failed()` (the block's first layer, and
+`raise_if_any_failed()` after every engine step) raises them as a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_tokenweave.log import log_once
+from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
+from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
+from megatron_tokenweave.ops.validate import (
+    MAX_HIDDEN,
+    MAX_RANKS,
+    Comm,
+    Layout,
+    Phase,
+    TokenWeaveInputError,
+    check_fused_args,
+    check_phase,
+    phases_apply,
+)
+
+BACKENDS = ("auto", "kernel", "reference")
+# Variables that change what a rank does in the op or the schedule: every rank must see the same
+# values (checked by `agree`). The config's own TOKENWEAVE_<FIELD> variables are among them.
+AGREED_ENV = (
+    "TOKENWEAVE_BACKEND", "TOKENWEAVE_COMM", "TOKENWEAVE_SPLIT_THRESHOLD", "TOKENWEAVE_SPLIT_ALIGN",
+    "TOKENWEAVE_SPLIT_OFFSET", "TOKENWEAVE_COMM_CTAS_ATTN", "TOKENWEAVE_COMM_CTAS_MLP",
+    "TOKENWEAVE_COMM_CTAS_ALONE", "TOKENWEAVE_GEMM_SM_CARVEOUT", "TOKENWEAVE_MAX_TOKENS",
+    "TOKENWEAVE_DEFER_ACROSS_LAYERS", "TOKENWEAVE_TUNING_TABLE", "TOKENWEAVE_CACHE",
+    "TOKENWEAVE_NO_BULK", "TOKENWEAVE_NO_ONESHOT", "TOKENWEAVE_DEBUG_LOCAL_STORES",
+    "TOKENWEAVE_KERNEL_TIMEOUT_S", "TOKENWEAVE_ALLOW_MULTIMEM",
+)
+TUNING_TABLES = "tuning tables in the cache (TOKENWEAVE_CACHE/tuning)"
+
+
+class WorkspaceCapacityError(TokenWeaveInputError):
+    """A forward has more token rows than the communicator's buffers were sized for."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank of a group settled on: the backend, why (when not the kernel), and the
+    kernel's settings."""
+
+    backend: str
+    reason: str
+    bulk: bool
+    oneshot: bool
+    local_stores_only: bool
+    timeout_s: float
+
+
+def _digest(value: str | bytes | None) -> int:
+    """A 62-bit fingerprint (equal on every rank for equal values; None: unset)."""
+    data = b"\0unset" if value is None else value if isinstance(value, bytes) else value.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _tables_digest() -> int:
+    """Fingerprint of the cached tuning tables (names and contents) a policy may read."""
+    from megatron_tokenweave.policy import CACHE_DIR
+
+    folder = CACHE_DIR / "tuning"
+    blob = b"".join(p.name.encode() + b"\0" + p.read_bytes()
+                    for p in sorted(folder.glob("*.json"))) if folder.is_dir() else b""
+    return _digest(blob)
+
+
+def _collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _min_max(values: list[int], group: dist.ProcessGroup,
+             device: torch.device) -> tuple[list[int], list[int]]:
+    """Element-wise minimum and maximum over the group, in one all-reduce."""
+    t = torch.tensor(values + [-v for v in values], dtype=torch.int64,
+                     device=_collective_device(group, device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    n = len(values)
+    out = t.tolist()
+    return [-v for v in out[n:]], out[:n]
+
+
+def _env_flag(env: dict[str, str | None], name: str) -> bool:
+    value = env[name]
+    if value is None or value.strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    raise TokenWeaveInputError(f"{name}={value!r}: expected 0 or 1")
+
+
+def _peer_reachable(group: dist.ProcessGroup, device: torch.device) -> tuple[bool, str]:
+    """Whether every rank of `group` is a GPU of this node that this GPU can access directly
+    (collective; every rank gets the same answer)."""
+    world = dist.get_world_size(group)
+    mine = (socket.gethostname(), device.index if device.index is not None else -1)
+    everyone: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    hosts = {entry[0] for entry in everyone if entry is not None}
+    why = f"the TP group spans {len(hosts)} nodes" if len(hosts) != 1 else ""
+    if not why:
+        for _, index in everyone:
+            if index != mine[1] and not torch.cuda.can_device_access_peer(mine[1], index):
+                why = f"GPU {mine[1]} has no peer access to GPU {index}"
+                break
+    lows, _ = _min_max([0 if why else 1], group, device)
+    if lows[0] == 1:
+        return True, ""
+    return False, why or "a peer GPU of the group has no peer access"
+
+
+def agree(group: dist.ProcessGroup, device: torch.device, requested: str,
+          hidden: int) -> Agreement:
+    """Settle the backend and kernel settings on every rank of `group` (a collective).
+
+    First one all-reduce of each rank's capabilities (device kind, CUDA extension loaded) and of
+    fingerprints of the AGREED_ENV variables and cached tuning tables: a difference is a
+    TokenWeaveInputError on every rank naming what differs. Only then the collectives that
+    depend on those (peer reachability).
+    """
+    if requested not in BACKENDS:
+        raise TokenWeaveInputError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    env = {name: os.environ.get(name) for name in AGREED_ENV}
+    is_cuda = device.type == "cuda"
+    ext = False
+    if is_cuda and requested != "reference":
+        from megatron_tokenweave import kernels
+
+        ext = kernels.is_available()
+    names = [*AGREED_ENV, TUNING_TABLES]
+    digests = [_digest(env[n]) for n in AGREED_ENV] + [_tables_digest()]
+    lows, highs = _min_max([int(is_cuda), int(ext), *digests], group, device)
+    differ = [n for n, lo, hi in zip(names, lows[2:], highs[2:], strict=True) if lo != hi]
+    if differ:
+        raise TokenWeaveInputError(
+            f"TokenWeave: the ranks of the TP group differ in {', '.join(differ)}; every rank "
+            "must run with the same settings (they decide the communication protocol)")
+    if lows[0] != highs[0]:
+        raise TokenWeaveInputError("TokenWeave: some ranks of the TP group are on CUDA devices "
+                                   "and some are not")
+    timeout_raw = env["TOKENWEAVE_KERNEL_TIMEOUT_S"]
+    try:
+        timeout_s = 10.0 if timeout_raw is None else float(timeout_raw)
+    except ValueError:
+        timeout_s = -1.0
+    if not timeout_s > 0:
+        raise TokenWeaveInputError(
+            f"TOKENWEAVE_KERNEL_TIMEOUT_S={timeout_raw!r}: expected a positive number of seconds")
+    settings = dict(bulk=not _env_flag(env, "TOKENWEAVE_NO_BULK"),
+                    oneshot=not _env_flag(env, "TOKENWEAVE_NO_ONESHOT"),
+                    local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES"),
+                    timeout_s=timeout_s)
+    world = dist.get_world_size(group)
+    if requested == "reference":
+        return Agreement("reference", "requested", **settings)
+    why = ""
+    if world > MAX_RANKS:
+        why = f"TP size {world} is above the kernel's {MAX_RANKS} ranks"
+    elif hidden > MAX_HIDDEN:
+        why = f"hidden size {hidden} is above the kernel's {MAX_HIDDEN}"
+    elif not is_cuda:
+        why = "the device is not a CUDA GPU"
+    elif world < 2:
+        why = "the TP group has one rank (nothing to communicate)"
+    elif lows[1] == 0:
+        why = ("the CUDA extension megatron_tokenweave._C could not be loaded on "
+               + ("this rank" if not ext else "another rank"))
+    else:
+        ok, why = _peer_reachable(group, device)
+        if ok:
+            return Agreement("kernel", "", **settings)
+    if requested == "kernel":
+        raise RuntimeError(f"TokenWeave backend 'kernel' was requested but cannot run: {why}")
+    fallback = "collectives" if is_cuda else "reference"
+    return Agreement(fallback, why, **settings)
+
+
+class Communicator:
+    """The fused op of one (TP group, dtype, hidden, device): buffers, agreed backend, kernel.
+
+    `partial` and `normed`: [max_tokens, hidden] buffers; on the kernel backend both live in one
+    symmetric (CUDA IPC) allocation mapped on every rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device, backend: str = "auto") -> None:
+        self.group = group
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.dtype = dtype
+        self.device = device
+        self.agreement = agree(group, device, backend, hidden)
+        self.backend = self.agreement.backend
+        if self.agreement.reason and self.backend != "kernel":
+            mechanism = ("NCCL collectives in the model's dtype" if self.backend == "collectives"
+                         else "the torch.distributed reference op")
+            log_once(f"backend:{self.agreement.reason}",
+                     f"TokenWeave: using {mechanism} ({self.agreement.reason})")
+        numel = max_tokens * hidden
+        self.symmetric = None
+        self.kernel = None
+        self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
+        self._errors = None  # pinned int32 [4]: the error words, copied by record_errors()
+        if self.backend == "kernel":
+            from megatron_tokenweave import kernels
+
+            nbytes = 2 * numel * torch.finfo(dtype).bits // 8
+            a = self.agreement
+            self.symmetric = kernels.SymmetricBuffer(group, nbytes, device, timeout_s=a.timeout_s)
+            self.kernel = kernels.KernelComm(self.symmetric, kernels.KernelSettings(
+                bulk=a.bulk, oneshot=a.oneshot, local_stores_only=a.local_stores_only))
+            self._errors = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+            flat = self.symmetric.local[:nbytes].view(dtype)
+        else:
+            flat = torch.empty(2 * numel, dtype=dtype, device=device)
+        self.partial = flat[:numel].view(max_tokens, hidden)
+        self.normed = flat[numel:].view(max_tokens, hidden)
+        _live.add(self)
+
+    # -- the op -------------------------------------------------------------------------------
+    def allreduce_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
+                          weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
+                          normed_out: torch.Tensor | None, layout: Layout, *, ctas: int = 16,
+                          comm: Comm = "fused", phase: Phase = "whole",
+                          validate: bool = True) -> None:
+        """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
+
+        partial: [C, n, H], C = TP size (sequence-parallel: chunk r is reduced onto rank r) or 1
+            (replicated: every rank reduces every row). On the kernel backend it must lie in
+            `self.partial` (the symmetric buffer peers read from).
+        residual / residual_out: [n, H] this rank's rows (residual_out may alias residual).
+        weight: [H] norm weight, or None to add only (then normed_out is None).
+        normed_out: [C, n, H] with dense rows and any chunk stride: the normed rows of every
+            chunk, on every rank. On the kernel backend it must lie in `self.normed`.
+        ctas: CTAs the kernel may use (the other backends ignore it).
+        comm: "fused" (the backend's own mechanism), "copy_engine" (the kernel's copy-engine
+            data path: prepare_copy_engine() first; on other backends the same as "fused"), or
+            "collectives" (NCCL/gloo collectives in the activations' dtype, then add and norm;
+            reduces in place in `partial`).
+        phase: "transfer" then "reduce" split the copy-engine op in two (where
+            ops.validate.phases_apply); mechanisms without phases run whole at "reduce" and do
+            nothing at "transfer".
+        validate: check the arguments in Python first (the kernel's C++ checks always run).
+        """
+        check_phase(phase, layout, weight)  # on every backend: a wrong phasing fails on CPU too
+        kernel = self.backend == "kernel" and comm != "collectives"
+        copy_engine = kernel and comm == "copy_engine"
+        if phase == "transfer" and not copy_engine:
+            return
+        if kernel:
+            self.kernel.run(partial, residual, weight, eps, residual_out, normed_out, layout,
+                            ctas=ctas, path="copy_engine" if copy_engine else "sm",
+                            phase=phase if copy_engine else "whole", validate=validate)
+            return
+        if validate:
+            world = dist.get_world_size(self.group)
+            check_fused_args(partial, residual, weight, residual_out, normed_out, layout, world)
+        if comm == "collectives" or self.backend == "collectives":
+            allreduce_add_rmsnorm_collectives(partial, residual, weight, eps, residual_out,
+                                              normed_out, layout, self.group)
+        else:
+            fused_allreduce_rmsnorm_reference(partial, residual, weight, eps, residual_out,
+                                              normed_out, layout, self.group)
+
+    def splits_in_phases(self, comm: Comm, layout: Layout, weight: torch.Tensor | None) -> bool:
+        """Whether this op runs as a transfer beside the other half's GEMMs plus a reduction
+        when its rows are consumed (the kernel's copy-engine path without a normed gather)."""
+        return self.backend == "kernel" and comm == "copy_engine" and phases_apply(layout, weight)
+
+    def prepare_copy_engine(self) -> None:
+        """Allocate the copy-engine mirror of the peers' partial region ((TP size - 1) x the
+        partial buffer) and hand it to the kernel. Never during a CUDA graph capture (its memory
+        would belong to the graph's pool): a capture needs one eager forward of the same plan
+        first, as every warm-up gives."""
+        if self.backend != "kernel" or self._mirror is not None:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise TokenWeaveInputError(
+                "the copy-engine mirror is allocated on the first eager call; run one forward "
+                "with comm='copy_engine' before capturing a CUDA graph")
+        from megatron_tokenweave import kernels
+
+        self._mirror = kernels.CopyEngineMirror(
+            self.symmetric, self.partial.numel() * self.partial.element_size())
+        self.kernel.attach_mirror(self._mirror)
+
+    # -- failures -----------------------------------------------------------------------------
+    def record_errors(self) -> None:
+        """Queue a copy of the kernel's error words to pinned memory on the current stream (no
+        sync; inside a CUDA graph capture it becomes part of the graph, so every replay
+        refreshes them)."""
+        if self.kernel is not None:
+            torch.ops.tokenweave.comm_copy_errors(self.kernel.handle, self._errors)
+
+    def raise_if_failed(self) -> None:
+        """Raise RuntimeError if a kernel gave up waiting for a peer, as of the last copy that
+        completed (never synchronizes). The message names the peer, the barrier slot and the
+        timeout. The communicator is unusable afterwards (its kernels write NaN)."""
+        if self._errors is None:
+            return
+        message = self.symmetric.describe_error(*self._errors.tolist())
+        if message is not None:
+            raise RuntimeError(message)
+
+    # -- capacity and lifetime ----------------------------------------------------------------
+    def is_buffer_size_sufficient(self, rows: int) -> bool:
+        return rows <= self.max_tokens
+
+    def check_capacity(self, rows: int) -> None:
+        if not self.is_buffer_size_sufficient(rows):
+            raise WorkspaceCapacityError(
+                f"this forward has {rows} token rows but the TokenWeave workspace holds "
+                f"{self.max_tokens}; raise TokenWeaveConfig.max_tokens (TOKENWEAVE_MAX_TOKENS)"
+            )
+
+    def destroy(self) -> None:
+        """Free the kernel, mirror and buffer (collective on the kernel backend)."""
+        if self.kernel is not None:
+            self.kernel.close()
+            self.kernel = None
+        if self.symmetric is not None:
+            self.symmetric.close()  # synchronizes: no copy into the mirror is still running
+            self.symmetric = None
+        self._mirror = None
+        self._errors = None
+        _live.discard(self)
+
+
+_live: weakref.WeakSet[Communicator] = weakref.WeakSet()
+_communicators: dict[tuple, Communicator] = {}
+# Communicators outgrown by a larger max_tokens: kept until destroy_communicators(), since CUDA
+# graphs captured on them (and their copy-engine mirrors) replay with their addresses.
+_outgrown: list[Communicator] = []
+
+
+def get_communicator(group: dist.ProcessGroup, max_tokens: int, hidden: int,
+                     dtype: torch.dtype, device: torch.device, backend: str) -> Communicator:
+    """The communicator of this group/dtype/hidden/device, created on first use (a collective).
+    Every woven layer of a key shares it (a layer hands its normed rows to the next in it); a
+    larger max_tokens replaces it with a larger one and keeps the old one alive."""
+    key = (group, hidden, dtype, device, backend)
+    comm = _communicators.get(key)
+    if comm is None or comm.max_tokens < max_tokens:
+        if comm is not None:
+            log_once(f"outgrown:{key}:{max_tokens}",
+                     f"TokenWeave: a workspace of {comm.max_tokens} rows is outgrown by "
+                     f"max_tokens={max_tokens}; both stay allocated (give every model the "
+                     f"largest max_tokens to avoid it)")
+            _outgrown.append(comm)
+        comm = _communicators[key] = Communicator(group, max_tokens, hidden, dtype, device,
+                                                  backend)
+    return comm
+
+
+def raise_if_any_failed() -> None:
+    """Raise the first recorded kernel failure of any live communicator (no sync). The serving
+    wrappers call it after every engine step, where CUDA graphs replay without Python layers."""
+    for comm in list(_live):
+        comm.raise_if_failed()
+
+
+def destroy_communicators() -> None:
+    """Free every communicator (a collective of each TP group; before destroying process
+    groups). Nothing captured on them may replay afterwards."""
+    for comm in [*_communicators.values(), *_outgrown]:
+        comm.destroy()
+    _communicators.clear()
+    _outgrown.clear()

@@ -1,0 +1,189 @@
+"""The kernel level of the fused op: a C++ communicator over one symmetric buffer, held by handle.
+
+KernelComm creates the C++ object (csrc/ops.cu: comm_create) with the buffer's addresses and the
+protocol settings, and launches the op through it: `torch.ops.tokenweave.fused_allreduce_rmsnorm(
+handle, tensors, eps, ctas, path, phase)`. Settings that change the protocol (bulk pipeline,
+one-shot path, timeout, multicast) are fixed when it is created and must be the same on every
+rank; megatron_tokenweave.communicator agrees them collectively. Nothing here reads the
+environment, and a call takes no lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tokenweave.kernels._ext import load_extension
+from megatron_tokenweave.kernels.copy_engine import CopyEngineMirror
+from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+from megatron_tokenweave.ops.validate import (
+    KERNEL_DTYPES,
+    MAX_CTAS,
+    MAX_HIDDEN,
+    PHASES,
+    Layout,
+    Phase,
+    TokenWeaveInputError,
+    check_fused_args,
+    check_phase,
+)
+
+MIN_CTAS = 1
+DEFAULT_CTAS = 16
+# Replicated layout: every rank pulls every row from every peer (no reduce-scatter +
+# all-gather). At TP=2 that moves the same total bytes as a two-shot, but all in one link
+# direction instead of half in each, and it needs one barrier pair instead of a second data
+# phase; a two-shot would pay off above ~1K tokens at TP>=4. Not implemented: the
+# sequence-parallel layout is the fast path (a two-shot whose gather writes the normed rows
+# straight to the peers).
+#
+# Small replicated calls take the flagless one-shot path (csrc/include/tokenweave/oneshot.cuh)
+# when all ranks' rows fit one receive buffer; mirrors kOneShotRoundBytes in signal.cuh (a CPU
+# test keeps the two equal).
+ONESHOT_ROUND_BYTES = 8 << 20
+
+
+def oneshot_applies(layout: Layout, world: int, rows: int, hidden: int, elem_bytes: int) -> bool:
+    """Whether the CUDA op takes the one-shot path for this call (where the communicator's
+    settings allow it)."""
+    return layout is Layout.REPLICATED and world * rows * hidden * elem_bytes <= ONESHOT_ROUND_BYTES
+
+
+def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
+                      weight: torch.Tensor | None, residual_out: torch.Tensor,
+                      normed_out: torch.Tensor | None, layout: Layout,
+                      buffer: SymmetricBuffer, ctas: int) -> None:
+    """Contract checks + kernel-specific ones; raise TokenWeaveInputError."""
+    check_fused_args(partial, residual, weight, residual_out, normed_out, layout, buffer.world)
+    if partial.dtype not in KERNEL_DTYPES:
+        raise TokenWeaveInputError(f"the CUDA kernel takes bf16 or fp16, got {partial.dtype}")
+    tensors = {"partial": partial, "residual": residual, "residual_out": residual_out}
+    if weight is not None:
+        tensors.update(weight=weight, normed_out=normed_out)
+    for name, t in tensors.items():
+        if t.device != buffer.device:
+            raise TokenWeaveInputError(
+                f"{name} is on {t.device}, the symmetric buffer on {buffer.device}")
+        if t.data_ptr() % 16:
+            raise TokenWeaveInputError(f"{name} is not 16-byte aligned")
+    if not isinstance(ctas, int) or not MIN_CTAS <= ctas <= MAX_CTAS:
+        raise TokenWeaveInputError(f"ctas must be an int in [{MIN_CTAS}, {MAX_CTAS}], got {ctas!r}")
+    if partial.shape[-1] > MAX_HIDDEN:
+        raise TokenWeaveInputError(f"hidden {partial.shape[-1]} > {MAX_HIDDEN}")
+    if not buffer.contains(partial):
+        raise _partial_outside(partial, buffer, f"the symmetric buffer ({buffer.nbytes} bytes)")
+    if weight is not None and layout is Layout.SEQUENCE_PARALLEL:
+        if not buffer.contains(normed_out):
+            raise TokenWeaveInputError(
+                f"normed_out (offset {buffer.offset_of(normed_out)}) is not inside the symmetric "
+                f"buffer ({buffer.nbytes} bytes): sequence-parallel rows are stored to every peer")
+        if normed_out.shape[0] > 1 and (normed_out.stride(0) * normed_out.element_size()) % 16:
+            raise TokenWeaveInputError("normed_out chunk stride must be a multiple of 16 bytes")
+
+
+def _partial_outside(partial: torch.Tensor, buffer: SymmetricBuffer,
+                     region: str) -> TokenWeaveInputError:
+    return TokenWeaveInputError(
+        f"partial (offset {buffer.offset_of(partial)}, "
+        f"{partial.numel() * partial.element_size()} bytes) is not inside {region}")
+
+
+# The op's `path` argument (csrc/ops.cu Path): SM-driven kernels, or the copy-engine op.
+PATHS = ("sm", "copy_engine")
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Protocol settings of one communicator: every rank of the group must use the same.
+
+    bulk: the bulk-copy pipeline where its stages fit (else, and on GPUs before sm_90, the
+        register path).
+    oneshot: the flagless one-shot path for small replicated calls (oneshot_applies).
+    local_stores_only: benchmark diagnostic (results are WRONG): sequence-parallel normed rows
+        are stored locally only, which measures what the remote stores cost.
+    """
+
+    bulk: bool = True
+    oneshot: bool = True
+    local_stores_only: bool = False
+
+    @property
+    def flags(self) -> int:
+        """comm_create's flag bits (csrc/ops.cu Flags)."""
+        return int(self.bulk) | int(self.oneshot) << 1 | int(self.local_stores_only) << 2
+
+
+class KernelComm:
+    """The C++ communicator of one SymmetricBuffer (and, for the copy-engine path, its mirror).
+
+    Every rank must create it with the same settings, call `run` with the same shapes, layout,
+    ctas, path and phase, in the same order (one op in flight per buffer), and `close` it before
+    the buffer. A kernel that times out records the error in the buffer's signal pad and writes
+    NaN into its outputs; so does every later launch, until a new buffer replaces this one.
+    """
+
+    def __init__(self, buffer: SymmetricBuffer, settings: KernelSettings | None = None) -> None:
+        load_extension()
+        self.buffer = buffer
+        self.settings = settings or KernelSettings()
+        self.mirror: CopyEngineMirror | None = None
+        self.handle = int(torch.ops.tokenweave.comm_create(
+            buffer.bases, buffer.rank, buffer.world, buffer.local_base, buffer.nbytes,
+            int(buffer.timeout_s * 1e9), self.settings.flags, int(buffer.multicast_base or 0)))
+        self._op = torch.ops.tokenweave.fused_allreduce_rmsnorm.default
+
+    def attach_mirror(self, mirror: CopyEngineMirror) -> None:
+        """Give the copy-engine path its mirror of the peers' partial region."""
+        if mirror.buffer is not self.buffer:
+            raise TokenWeaveInputError("the copy-engine mirror belongs to another symmetric buffer")
+        torch.ops.tokenweave.comm_attach_mirror(
+            self.handle, mirror.sources, mirror.mirror, self.buffer.peer_data, mirror.mirrors,
+            mirror.nbytes)
+        self.mirror = mirror
+
+    def run(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+            eps: float, residual_out: torch.Tensor, normed_out: torch.Tensor | None,
+            layout: Layout, *, ctas: int = DEFAULT_CTAS, path: str = "sm",
+            phase: Phase = "whole", validate: bool = True) -> None:
+        """y = sum_p partial_p[chunk] + residual -> residual_out; RMSNorm(y) * weight -> normed_out.
+
+        Same contract as ops.reference.fused_allreduce_rmsnorm_reference (ops/validate.py), on the
+        current CUDA stream, with no host sync and no allocation (CUDA-graph capturable).
+        `partial` (and, in the sequence-parallel layout, `normed_out`) must be views of
+        `buffer.local`. path: "sm" (one-shot, bulk or register kernels, by size and settings;
+        multimem where the buffer has a multicast address) or "copy_engine" (peers' rows move by
+        cudaMemcpyAsync into the mirror; `ctas` CTAs then only reduce and normalize local rows).
+        phase: on the copy-engine path, "transfer" issues only the pull of the peers' rows (with
+        its barriers) and "reduce" only the local reduction + norm, which must follow the
+        transfer in stream order; "whole" both.
+        validate: check the arguments in Python first (the op's C++ checks always run).
+        """
+        if validate:
+            self._check(partial, residual, weight, residual_out, normed_out, layout, ctas, path,
+                        phase)
+        self._op(self.handle, partial, residual, weight, float(eps), residual_out, normed_out,
+                 ctas, PATHS.index(path), PHASES.index(phase))
+
+    def _check(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+               residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,
+               ctas: int, path: str, phase: Phase) -> None:
+        if path not in PATHS:
+            raise TokenWeaveInputError(f"path must be one of {PATHS}, got {path!r}")
+        check_phase(phase, layout, weight)
+        if phase != "whole" and path != "copy_engine":
+            raise TokenWeaveInputError(f"phase {phase!r} needs the copy-engine data path")
+        check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
+                          self.buffer, ctas)
+        if path == "copy_engine":
+            if self.mirror is None:
+                raise TokenWeaveInputError("the copy-engine path needs a mirror (attach_mirror)")
+            if not self.mirror.covers(partial):
+                raise _partial_outside(partial, self.buffer,
+                                       f"the {self.mirror.nbytes} mirrored bytes of the buffer")
+
+    def close(self) -> None:
+        """Free the C++ object (the buffer and mirror stay the caller's)."""
+        if self.handle:
+            torch.ops.tokenweave.comm_destroy(self.handle)
+            self.handle = 0

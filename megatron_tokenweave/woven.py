@@ -1,0 +1,164 @@
+"""One woven forward of one layer, as its schedule reads (DESIGN.md's timeline):
+
+    main stream                          side stream
+    qkv(A)                               fused op(B) of the previous layer's MLP (deferred)
+    qkv(B), attention (whole), proj(A)
+    proj(B)                              fused op(A): all-reduce + add + pre-MLP RMSNorm
+    MLP(A)                               fused op(B)
+    MLP(B)                               fused op(A): all-reduce + add + next layer's RMSNorm
+                                         fused op(B) -> handed to the next layer
+
+A WovenForward holds what one forward needs (geometry, plan, halves, buffer views, side stream,
+communicator) and runs the steps: `inputs` (the hand-off or the input norm), `attention`, `mlp`,
+`hand_off`. Every fused op starts through `launch`, called once per half as that half's
+row-parallel partial sum is queued (the row linear's `after`; the MoE expert layer's end). The
+linears receive their per-half plans through one mechanism: linears.weaving().
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_tokenweave import moe
+from megatron_tokenweave.communicator import Communicator
+from megatron_tokenweave.linears import Weave, weaving
+from megatron_tokenweave.ops.validate import Layout, phases_apply
+from megatron_tokenweave.policy import Plan
+from megatron_tokenweave.schedule import Half, Handoff, Pending, SideStream
+
+Norm = tuple[torch.Tensor, float]  # (weight, eps) of an RMSNorm the fused op applies
+
+
+@dataclass
+class Stage:
+    """The fused op after one row-parallel linear: the residual rows it adds, the norm it
+    applies (None: add only), its CTAs beside the other half, and each half's pending op."""
+
+    residual: torch.Tensor
+    norm: Norm | None
+    ctas: int
+    ops: list[Pending] = field(default_factory=list)
+
+
+class WovenForward:
+    """One layer's woven forward over hidden states x [s, b, H] (s: this rank's rows)."""
+
+    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
+                 comm: Communicator, plan: Plan, halves: tuple[Half, ...], side: SideStream,
+                 validate: bool) -> None:
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout = Layout.SEQUENCE_PARALLEL if sequence_parallel else Layout.REPLICATED
+        self.s_local, self.batch, hidden = x.shape
+        self.chunks = self.world if sequence_parallel else 1
+        n = self.s_local * self.batch
+        self.comm, self.plan, self.halves, self.side = comm, plan, halves, side
+        self.split = len(halves) > 1
+        self.validate = validate
+        # Views: every chunk's normed rows (the GEMMs' input), each half's partial sums (both in
+        # the communicator's buffers), this layer's residual in and out.
+        self.normed = comm.normed[: self.chunks * n].view(self.chunks, n, hidden)
+        self.partials = tuple(
+            comm.partial[self.chunks * h.offset: self.chunks * (h.offset + h.rows)].view(
+                self.chunks, h.rows, hidden)
+            for h in halves)
+        self.residual_in = x.view(n, hidden)
+        self.out = torch.empty_like(x)
+        self.residual_out = self.out.view(n, hidden)
+
+    # ------------------------------------------------------------------ the one launch
+    def launch(self, stage: Stage, i: int) -> None:
+        """Half i's fused op: on the main stream when unsplit, else on the side stream; the
+        copy-engine op there only moves the rows, its reduction waits for the consumer."""
+        rows = slice(self.halves[i].offset, self.halves[i].offset + self.halves[i].rows)
+        weight, eps = stage.norm if stage.norm is not None else (None, 0.0)
+        run = functools.partial(
+            self.comm.allreduce_rmsnorm, self.partials[i], stage.residual[rows], weight, eps,
+            self.residual_out[rows], self.halves[i].of(self.normed) if weight is not None else None,
+            self.layout, comm=self.plan.comm, validate=self.validate)
+        if not self.split:
+            run(ctas=self.plan.comm_ctas_alone)
+            stage.ops.append(Pending())
+        elif self.plan.comm == "copy_engine" and phases_apply(self.layout, weight):
+            with self.side.run():
+                run(ctas=stage.ctas, phase="transfer")
+            stage.ops.append(Pending(self.side.record(),
+                                     functools.partial(run, ctas=stage.ctas, phase="reduce")))
+        else:
+            with self.side.run():
+                run(ctas=stage.ctas)
+            stage.ops.append(Pending(self.side.record()))
+
+    # ------------------------------------------------------------------ the steps
+    def inputs(self, handoff: Handoff | None, input_norm: torch.nn.Module,
+               group: dist.ProcessGroup, x: torch.Tensor) -> tuple[Pending, ...]:
+        """Per half, the op still writing this layer's normed input: the predecessor's hand-off
+        when it wrote into these very rows, else the input norm computed here now."""
+        if handoff is not None:
+            same = (handoff.normed.data_ptr() == self.normed.data_ptr()
+                    and handoff.normed.shape == self.normed.shape)
+            if same and handoff.halves == self.halves:
+                return handoff.pending
+            handoff.wait()  # another split, or another buffer (a workspace outgrown between)
+            if same:
+                return tuple(Pending() for _ in self.halves)
+        local = input_norm(x).reshape(-1, x.shape[-1]).to(self.normed.dtype)
+        if self.layout is Layout.SEQUENCE_PARALLEL:
+            flat = self.normed.view(-1, x.shape[-1])
+            dist.all_gather_into_tensor(flat, local.contiguous(), group=group)
+        else:
+            self.normed[0].copy_(local)
+        return tuple(Pending() for _ in self.halves)
+
+    def attention(self, attention: torch.nn.Module, kwargs: Mapping[str, Any],
+                  inputs: tuple[Pending, ...], pre_mlp_norm: Norm) -> Stage:
+        """qkv per half as its input arrives, attention whole, proj per half, each proj half's
+        fused op (+ the pre-MLP norm) launched as soon as it is queued."""
+        stage = Stage(self.residual_in, pre_mlp_norm, self.plan.comm_ctas_attn)
+        plans = {
+            attention.linear_qkv: Weave(self.chunks, self.halves,
+                                        before=lambda i: inputs[i].wait()),
+            attention.linear_proj: Weave(self.chunks, self.halves, partials=self.partials,
+                                         add_bias=self.rank == 0,
+                                         after=lambda i: self.launch(stage, i)),
+        }
+        with weaving(plans):
+            attention(self.normed.view(self.chunks * self.s_local, self.batch, -1), **kwargs)
+        return stage
+
+    def mlp(self, mlp: torch.nn.Module, attn: Stage, next_norm: Norm | None) -> Stage:
+        """The MLP half by half, each waiting for its post-attention op; each half's fused op
+        (+ the next layer's input norm, when there is a next layer) launched as it is queued."""
+        stage = Stage(self.residual_out, next_norm, self.plan.comm_ctas_mlp)
+        for i, half in enumerate(self.halves):
+            attn.ops[i].wait()
+            x = half.of(self.normed)
+            if moe.is_moe(mlp):
+                moe.moe_partial(mlp, x, self.partials[i])
+                self.launch(stage, i)
+                continue
+            whole = (Half(0, x.shape[1]),)
+            plans = {
+                mlp.linear_fc1: Weave(self.chunks, whole),
+                mlp.linear_fc2: Weave(self.chunks, whole, partials=(self.partials[i],),
+                                      add_bias=self.rank == 0,
+                                      after=lambda _, i=i: self.launch(stage, i)),
+            }
+            with weaving(plans):
+                mlp(x)
+        return stage
+
+    def hand_off(self, mlp: Stage, defer: bool) -> Handoff:
+        """What the next layer receives: this layer's output, its normed input and, per half,
+        the op still writing them (joined here unless `defer`)."""
+        pending = tuple(mlp.ops)
+        if not defer:
+            for op in pending:
+                op.wait()
+            pending = tuple(Pending() for _ in self.halves)  # a capture may not wait on others'
+        return Handoff(self.out, self.normed, self.halves, pending)

@@ -1,0 +1,129 @@
+"""The communicator's collective agreement (CPU, 2 gloo ranks): settings that decide the protocol
+are the same on every rank or every rank gets a clear error, never a hang; a rank without the
+CUDA extension makes every rank take the same fallback; a one-rank group is a correct no-op
+reduction.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist import run_ranks
+
+CPU = torch.device("cpu")
+H = 16
+
+
+def _create_with_env(rank: int, world: int, name: str, values: tuple[str | None, ...]) -> str:
+    """Set `name` to values[rank] (None: unset) in this rank, create a communicator; the error
+    it raised, or "created"."""
+    import torch.distributed as dist
+
+    from megatron_tokenweave.communicator import Communicator
+
+    if values[rank] is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = values[rank]
+    try:
+        Communicator(dist.group.WORLD, 8, H, torch.float32, CPU, "auto")
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "created"
+
+
+@pytest.mark.parametrize(("name", "values"), [
+    ("TOKENWEAVE_NO_BULK", ("0", "1")),
+    ("TOKENWEAVE_NO_ONESHOT", (None, "1")),
+    ("TOKENWEAVE_KERNEL_TIMEOUT_S", ("10", "0.5")),
+    ("TOKENWEAVE_SPLIT_THRESHOLD", ("1024", None)),
+])
+def test_a_variable_set_differently_on_one_rank_is_an_error_on_every_rank(name, values):
+    t0 = time.monotonic()
+    results = run_ranks(_create_with_env, name, values)
+    assert time.monotonic() - t0 < 60  # both ranks answered: nobody waited for a peer
+    for rank, result in enumerate(results):
+        assert result.startswith("TokenWeaveInputError"), (rank, result)
+        assert f"differ in {name}" in result and "same settings" in result, (rank, result)
+
+
+def test_the_same_values_on_every_rank_agree():
+    assert run_ranks(_create_with_env, "TOKENWEAVE_NO_BULK", ("1", "1")) == ["created"] * 2
+
+
+def _tables_differ(rank: int, world: int, folder: str) -> str:
+    import torch.distributed as dist
+
+    from megatron_tokenweave import policy
+    from megatron_tokenweave.communicator import Communicator
+
+    cache = os.path.join(folder, f"rank{rank}")
+    os.makedirs(os.path.join(cache, "tuning"), exist_ok=True)
+    if rank == 1:  # a table only this rank's cache holds
+        with open(os.path.join(cache, "tuning", "extra.json"), "w") as f:
+            f.write("{}")
+    policy.CACHE_DIR = __import__("pathlib").Path(cache)
+    try:
+        Communicator(dist.group.WORLD, 8, H, torch.float32, CPU, "auto")
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    return "created"
+
+
+def test_cached_tuning_tables_that_differ_between_ranks_are_an_error(tmp_path):
+    for result in run_ranks(_tables_differ, str(tmp_path)):
+        assert "differ in tuning tables in the cache" in result, result
+
+
+def _without_extension_on_rank_1(rank: int, world: int, requested: str) -> str:
+    """A rank whose CUDA extension cannot load (faked: a CUDA device object and
+    kernels.is_available answered per rank; nothing touches CUDA before the agreement)."""
+    import torch.distributed as dist
+
+    from megatron_tokenweave import kernels
+    from megatron_tokenweave.communicator import agree
+
+    kernels.is_available = lambda: rank == 0
+    try:
+        return agree(dist.group.WORLD, torch.device("cuda", 0), requested, H).backend
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_rank_without_the_extension_gives_every_rank_the_same_fallback():
+    """auto: every rank falls back to NCCL collectives in the model's dtype (not the fp32
+    reference); kernel: every rank raises, naming the cause."""
+    assert run_ranks(_without_extension_on_rank_1, "auto") == ["collectives", "collectives"]
+    results = run_ranks(_without_extension_on_rank_1, "kernel")
+    assert "could not be loaded on another rank" in results[0], results
+    assert "could not be loaded on this rank" in results[1], results
+    assert all(r.startswith("RuntimeError: TokenWeave backend 'kernel'") for r in results)
+
+
+@pytest.mark.parametrize("comm", ["fused", "collectives"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_one_rank_group_is_a_correct_noop_reduction(single_rank_group, comm, sp):
+    """TP group of one rank, both layouts: y = partial + residual, normed = RMSNorm(y) * w."""
+    from megatron_tokenweave.communicator import Communicator
+    from megatron_tokenweave.ops import Layout
+    from megatron_tokenweave.ops.reference import rms_norm_fp32
+
+    gen = torch.Generator().manual_seed(3)
+    n = 5
+    c = Communicator(single_rank_group, 8, H, torch.float32, CPU, "auto")
+    assert c.backend == "reference"
+    partial = c.partial[:n].view(1, n, H)
+    partial.copy_(torch.randn(1, n, H, generator=gen))
+    want_partial = partial[0].clone()
+    residual = torch.randn(n, H, generator=gen)
+    weight = 1 + 0.1 * torch.randn(H, generator=gen)
+    out = torch.full_like(residual, float("nan"))
+    normed = c.normed[:n].view(1, n, H).fill_(float("nan"))
+    layout = Layout.SEQUENCE_PARALLEL if sp else Layout.REPLICATED
+    c.allreduce_rmsnorm(partial, residual, weight, 1e-5, out, normed, layout, comm=comm)
+    y = want_partial + residual
+    torch.testing.assert_close(out, y)
+    torch.testing.assert_close(normed[0], rms_norm_fp32(y, weight, 1e-5))
