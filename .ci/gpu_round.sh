@@ -89,7 +89,7 @@ case "$phase" in
       --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
     ;;
   verify)
-    TAIL=12 step kernel_tests 300 python -m pytest -v -s tests/gpu/test_kernel.py
+    TAIL=12 step kernel_tests 560 python -m pytest -v -s tests/gpu/test_kernel.py
     ;;
   sanitize)
     TAIL=8 step sanitizer 480 python -m pytest -v tests/gpu/test_sanitizer.py
@@ -113,7 +113,7 @@ case "$phase" in
       --cuda-graphs 16 --metrics throughput --throughput-reps 3 --out "$out/e2e_tp2_graphs.json"
     ;;
   one_gpu)
-    TAIL=12 step kernel_one_gpu 300 python -m pytest -v -s tests/gpu/test_kernel.py
+    TAIL=12 step kernel_one_gpu 560 python -m pytest -v -s tests/gpu/test_kernel.py
     TAIL=8 step split_cost 200 python -m megatron_tokenweave.bench split_cost \
       --out "$out/split_cost.json"
     ;;

@@ -27,13 +27,14 @@
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
 #include "tokenweave/multimem.cuh"
 #include "tokenweave/oneshot.cuh"
+#include "tokenweave/twoshot.cuh"
 
 namespace tokenweave {
 
 // Data paths of one call (the op's `path` argument; the Python names are in
-// megatron_tokenweave/kernels/comm.py): the SM-driven kernels (one-shot, bulk copies or
-// registers, chosen below by size and the communicator's settings; multimem instead where the
-// communicator has a multicast address), or the copy-engine op.
+// megatron_tokenweave/kernels/comm.py): the SM-driven kernels (one-shot, two-shot, bulk copies or
+// registers, chosen below by layout, size and TP and the communicator's settings; multimem
+// instead where the communicator has a multicast address), or the copy-engine op.
 enum Path : int64_t { kPathSm = 0, kPathCopyEngine = 1 };
 
 // What every rank of a TP group agreed on for one symmetric buffer. Owned by Python through an
@@ -47,6 +48,7 @@ struct Communicator {
   int device = 0;
   bool bulk = true;               // the bulk-copy pipeline where its stages fit (sm_90 only)
   bool oneshot = true;            // the one-shot path for small replicated calls
+  bool twoshot = true;            // the two-shot path for larger replicated calls at TP >= 4
   bool local_stores_only = false; // benchmark diagnostic (wrong results): no remote normed stores
   int64_t multicast_base = 0;     // multimem data path (never set on this project's machines)
   // Copy-engine path (comm_attach_mirror): the kernel's sources, the mirror, its layout.
@@ -56,7 +58,12 @@ struct Communicator {
 };
 
 // Bits of comm_create's `flags`.
-enum Flags : int64_t { kFlagBulk = 1, kFlagOneShot = 2, kFlagLocalStoresOnly = 4 };
+enum Flags : int64_t {
+  kFlagBulk = 1,
+  kFlagOneShot = 2,
+  kFlagLocalStoresOnly = 4,
+  kFlagTwoShot = 8,
+};
 
 namespace {
 
@@ -271,6 +278,23 @@ bool use_oneshot(const Communicator& c, const FusedParams& p, int64_t elem_bytes
          p.world * static_cast<int64_t>(p.rows) * p.hidden * elem_bytes <= kOneShotRoundBytes;
 }
 
+// The two-shot path takes the other replicated-layout calls from kTwoShotMinWorld ranks on, where
+// the communicator allows it (else every rank pulls every row: the barrier path).
+bool use_twoshot(const Communicator& c, const FusedParams& p) {
+  return c.twoshot && !p.sequence_parallel && p.world >= kTwoShotMinWorld;
+}
+
+template <typename T>
+void launch_twoshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
+  const LaunchShape s = launch_shape(p.hidden);
+  const int64_t chunk_rows = (p.rows + p.world - 1) / p.world;
+  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
+    fused_allreduce_rmsnorm_twoshot_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
+        <<<grid_of(chunk_rows, ctas), s.threads, 0, stream>>>(p);
+  });
+  check_launch();
+}
+
 template <typename T>
 void launch_oneshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   const LaunchShape s = launch_shape(p.hidden);
@@ -299,6 +323,8 @@ void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaSt
     launch_multimem<T>(p, ctas, reinterpret_cast<char*>(c.multicast_base), stream);
   else if (use_oneshot(c, p, sizeof(T)))
     launch_oneshot<T>(p, ctas, stream);
+  else if (use_twoshot(c, p))
+    launch_twoshot<T>(p, ctas, stream);
   else
     launch_barrier_path<T>(c, p, ctas, stream);
 }
@@ -398,6 +424,7 @@ int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_
   c->device = device;
   c->bulk = (flags & kFlagBulk) != 0 && major >= 9;  // mbarrier + cp.async.bulk are sm_90
   c->oneshot = (flags & kFlagOneShot) != 0;
+  c->twoshot = (flags & kFlagTwoShot) != 0;
   c->local_stores_only = (flags & kFlagLocalStoresOnly) != 0;
   c->multicast_base = multicast_base;
   return reinterpret_cast<int64_t>(c);

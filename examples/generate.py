@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_tokenweave.launch import spawn
+from megatron_tokenweave.launch import RankFailed, Stopped, spawn
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -64,12 +64,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--prompt", nargs="+", default=["TokenWeave weaves", "Megatron serves"])
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
+    parser.add_argument("--prompt", nargs="+", default=["TokenWeave weaves", "Megatron serves"],
+                        help="prompts, generated as one batch")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
     parser.add_argument("--dynamic", action="store_true", help="also the dynamic engine (GPU)")
     args = parser.parse_args()
     if args.dynamic:
@@ -77,7 +79,10 @@ def main() -> None:
 
         if (problem := dynamic_engine_problem()) is not None:
             raise SystemExit(f"--dynamic: {problem}")
-    result = spawn(run, args.tp, args)[0]
+    try:
+        result = spawn(run, args.tp, args)[0]
+    except (RankFailed, Stopped) as err:  # one message, not the launcher's traceback
+        raise SystemExit(f"generate.py: {err}") from None
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     tok, same = ByteTokenizer(), True

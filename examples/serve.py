@@ -1,5 +1,5 @@
 """Serve a GPT model built with the TokenWeave spec through Megatron-Core's text generation
-servers, one process per TP rank (random weights, the offline byte tokenizer):
+servers, one process per TP rank (random weights, the offline byte tokenizer).
 
   --server flask   Megatron's MegatronServer: PUT /api, POST /completions; static engine;
                    runs anywhere (gloo + reference op without GPUs)
@@ -84,7 +84,9 @@ def run(rank: int, world: int, args: argparse.Namespace,
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     epilog="Serves until Ctrl-C or `kill <pid>`: then every "
+                                            "rank exits and so does this, with status 0.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--server", choices=["flask", "openai"], default="flask",
                         help="flask: static engine, /api and /completions; openai: dynamic "

@@ -21,6 +21,7 @@ error words to pinned memory without a sync; `raise_if_failed()` (the block's fi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import socket
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_tokenweave.config import ENV_PREFIX, TokenWeaveConfig
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
@@ -45,16 +47,14 @@ from megatron_tokenweave.ops.validate import (
     phases_apply,
 )
 
-BACKENDS = ("auto", "kernel", "reference")
+BACKENDS = ("auto", "kernel", "reference", "multimem")
 # Variables that change what a rank does in the op or the schedule: every rank must see the same
-# values (checked by `agree`). The config's own TOKENWEAVE_<FIELD> variables are among them.
+# values (checked by `agree`): the config's TOKENWEAVE_<FIELD> variables, the tuning-table cache,
+# and the kernel's protocol settings.
 AGREED_ENV = (
-    "TOKENWEAVE_BACKEND", "TOKENWEAVE_COMM", "TOKENWEAVE_SPLIT_THRESHOLD", "TOKENWEAVE_SPLIT_ALIGN",
-    "TOKENWEAVE_SPLIT_OFFSET", "TOKENWEAVE_COMM_CTAS_ATTN", "TOKENWEAVE_COMM_CTAS_MLP",
-    "TOKENWEAVE_COMM_CTAS_ALONE", "TOKENWEAVE_GEMM_SM_CARVEOUT", "TOKENWEAVE_MAX_TOKENS",
-    "TOKENWEAVE_DEFER_ACROSS_LAYERS", "TOKENWEAVE_TUNING_TABLE", "TOKENWEAVE_CACHE",
-    "TOKENWEAVE_NO_BULK", "TOKENWEAVE_NO_ONESHOT", "TOKENWEAVE_DEBUG_LOCAL_STORES",
-    "TOKENWEAVE_KERNEL_TIMEOUT_S", "TOKENWEAVE_ALLOW_MULTIMEM",
+    *(ENV_PREFIX + f.name.upper() for f in dataclasses.fields(TokenWeaveConfig) if f.init),
+    "TOKENWEAVE_CACHE", "TOKENWEAVE_NO_BULK", "TOKENWEAVE_NO_ONESHOT", "TOKENWEAVE_NO_TWOSHOT",
+    "TOKENWEAVE_DEBUG_LOCAL_STORES", "TOKENWEAVE_KERNEL_TIMEOUT_S", "TOKENWEAVE_ALLOW_MULTIMEM",
 )
 TUNING_TABLES = "tuning tables in the cache (TOKENWEAVE_CACHE/tuning)"
 
@@ -72,8 +72,10 @@ class Agreement:
     reason: str
     bulk: bool
     oneshot: bool
+    twoshot: bool
     local_stores_only: bool
     timeout_s: float
+    multicast: bool = False  # backend "multimem": the kernel over a kernels.MulticastBuffer
 
 
 def _digest(value: str | bytes | None) -> int:
@@ -175,11 +177,18 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str,
             f"TOKENWEAVE_KERNEL_TIMEOUT_S={timeout_raw!r}: expected a positive number of seconds")
     settings = dict(bulk=not _env_flag(env, "TOKENWEAVE_NO_BULK"),
                     oneshot=not _env_flag(env, "TOKENWEAVE_NO_ONESHOT"),
+                    twoshot=not _env_flag(env, "TOKENWEAVE_NO_TWOSHOT"),
                     local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES"),
                     timeout_s=timeout_s)
     world = dist.get_world_size(group)
     if requested == "reference":
         return Agreement("reference", "requested", **settings)
+    if requested == "multimem":  # opt-in, untested here: refused alike on every rank, or allowed
+        from megatron_tokenweave.kernels.multicast import agreed_refusal
+
+        refusal = agreed_refusal(group, device)
+        if refusal is not None:
+            raise TokenWeaveInputError(f"TokenWeave backend 'multimem' refused: {refusal.reason}")
     why = ""
     if world > MAX_RANKS:
         why = f"TP size {world} is above the kernel's {MAX_RANKS} ranks"
@@ -195,9 +204,9 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str,
     else:
         ok, why = _peer_reachable(group, device)
         if ok:
-            return Agreement("kernel", "", **settings)
-    if requested == "kernel":
-        raise RuntimeError(f"TokenWeave backend 'kernel' was requested but cannot run: {why}")
+            return Agreement("kernel", "", **settings, multicast=requested == "multimem")
+    if requested in ("kernel", "multimem"):
+        raise RuntimeError(f"TokenWeave backend {requested!r} was requested but cannot run: {why}")
     fallback = "collectives" if is_cuda else "reference"
     return Agreement(fallback, why, **settings)
 
@@ -233,9 +242,11 @@ class Communicator:
 
             nbytes = 2 * numel * torch.finfo(dtype).bits // 8
             a = self.agreement
-            self.symmetric = kernels.SymmetricBuffer(group, nbytes, device, timeout_s=a.timeout_s)
+            buffer = kernels.MulticastBuffer if a.multicast else kernels.SymmetricBuffer
+            self.symmetric = buffer(group, nbytes, device, timeout_s=a.timeout_s)
             self.kernel = kernels.KernelComm(self.symmetric, kernels.KernelSettings(
-                bulk=a.bulk, oneshot=a.oneshot, local_stores_only=a.local_stores_only))
+                bulk=a.bulk, oneshot=a.oneshot, twoshot=a.twoshot,
+                local_stores_only=a.local_stores_only))
             self._errors = torch.zeros(4, dtype=torch.int32, pin_memory=True)
             flat = self.symmetric.local[:nbytes].view(dtype)
         else:

@@ -9,8 +9,8 @@ from typing import Literal
 
 from megatron_tokenweave.ops.validate import COMMS, MAX_CTAS, Comm
 
-Backend = Literal["auto", "kernel", "reference"]
-_BACKENDS = ("auto", "kernel", "reference")
+Backend = Literal["auto", "kernel", "reference", "multimem"]
+_BACKENDS = ("auto", "kernel", "reference", "multimem")
 ENV_PREFIX = "TOKENWEAVE_"
 # The fields a tuning table can fill (split_threshold through an entry's `split`): only where the
 # user left them unset.
@@ -52,9 +52,15 @@ class TokenWeaveConfig:
     comm_ctas_alone: CTAs of the fused kernel when the tokens are not split (nothing runs beside
         it, so it may take many SMs).
     max_tokens: workspace capacity in rows (tokens of one forward, all shards together).
-    backend: "kernel" (CUDA P2P kernel), "reference" (torch.distributed collectives), or "auto"
-        (the kernel where every TP rank is on this node with peer access, TP <= 8 and hidden
-        <= 32768, else reference).
+    backend: "kernel" (CUDA P2P kernel), "reference" (the fp32 torch.distributed definition), or
+        "auto" (the kernel where every TP rank is on this node with peer access, TP 2..8 and
+        hidden <= 32768; else NCCL collectives in the activations' dtype on GPUs, the reference
+        on CPU). Every rank must have the same settings (megatron_tokenweave.communicator).
+        "multimem" (opt-in, UNTESTED on this project's machines, which forbid NVLink multicast):
+        the kernel over a torch symmetric-memory buffer with a multicast mapping, whose SM path
+        runs the multimem (NVLink SHARP) kernel; needs TOKENWEAVE_ALLOW_MULTIMEM=1 too, and no
+        multicast kill switch, torch reporting multicast for the GPU, one node, sm_90+; else
+        every rank raises naming the failing condition (never a silent fallback).
     comm: how the fused op communicates: "fused" (the backend above: one P2P kernel does the
         all-reduce, residual add and norm) or "collectives" (torch.distributed collectives in the
         activations' dtype, then add and norm: the stock mechanism, which NCCL runs faster than

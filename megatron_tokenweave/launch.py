@@ -35,7 +35,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what the launcher takes as "st
 # that Megatron's faulthandler registration prints on SIGTERM and SIGINT.
 STOP_REQUEST = signal.SIGUSR1
 _POLL_S = 0.2  # how often the launcher looks at its ranks while it waits
-_JOIN_S = 30.0  # a rank that returned its result has this long to leave its process group
+_JOIN_S = 30.0  # a rank that returned its result has this long to exit
 _PR_SET_PDEATHSIG = 1
 
 _STOP = threading.Event()
@@ -92,7 +92,10 @@ def _die_with_launcher() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     except (OSError, AttributeError):  # not Linux: the launcher's own handlers still stop ranks
-        pass
+        return
+    launcher = mp.parent_process()
+    if launcher is not None and os.getppid() != launcher.pid:  # it died before the prctl
+        os._exit(1)
 
 
 def _worker(
@@ -129,7 +132,9 @@ def _exit_detail(exitcode: int) -> str:
 
 
 def _stop_ranks(procs: list, grace_s: float) -> None:
-    """STOP_REQUEST to every live rank, SIGKILL what is left after `grace_s`, reap them all."""
+    """STOP_REQUEST to every live rank, then SIGKILL to what is left of each rank's process group
+    after `grace_s` (the rank and any process it started: a server's frontends), and reap the
+    ranks."""
     procs = [p for p in procs if p.pid is not None]  # started ones
     for p in procs:
         if p.is_alive():
@@ -139,7 +144,9 @@ def _stop_ranks(procs: list, grace_s: float) -> None:
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.is_alive():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # each rank leads its own group (_worker)
+        if p.is_alive():  # not yet in its own group
             p.kill()
         p.join()
 

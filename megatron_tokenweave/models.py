@@ -37,6 +37,8 @@ SHAPES = {
     "qwen2.5-72b": Shape(8192, 29568, 64, 8, vocab=152064, qkv_bias=True),
     "mixtral-8x7b": Shape(4096, 14336, 32, 8, vocab=32000, experts=8, topk=2),
     "tiny": Shape(64, 160, 4, 2, vocab=256),
+    # tiny with 16 heads and 8 query groups (GQA): heads and groups divide TP 2, 4 and 8
+    "tiny-tp8": Shape(128, 320, 16, 8, vocab=256),
 }
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, Shape, llama_config
@@ -96,15 +97,6 @@ def _out_of_time(elapsed: float, budget: float) -> bool:
     return bool(flag.item())
 
 
-def _progress(done: int, total: int, text: str, start: float) -> None:
-    width = 30
-    filled = width * done // total
-    elapsed = time.time() - start
-    bar = "#" * filled + "." * (width - filled)
-    sys.stdout.write(f"\r[{bar}] {done}/{total} {elapsed:5.0f}s {text:<40}")
-    sys.stdout.flush()
-
-
 def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list[dict]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -130,7 +122,8 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
         if rank == 0 and modes != args.modes:
             print(f"MoE shape, {args.moe_dispatch} dispatch: tuning {modes[0]} forwards only")
     total = len(args.layouts) * len(modes) * len(args.tokens) * len(plans)
-    done, start, tables = 0, time.time(), []
+    progress = tqdm(total=total, desc="tuning", unit="plan", disable=rank != 0)
+    tables = []
     for layout in args.layouts:
         sp = layout == "sp"
         cfg = llama_config(shape, args.layers, world, sequence_parallel=sp, bf16=True,
@@ -154,9 +147,8 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                                          rotary_pos_emb=rpe)
 
                         runs[name] = graphed(run) if mode == "graph" else run
-                        done += 1
-                        if rank == 0:
-                            _progress(done, total, f"{layout} {mode} T={tokens} {name}", start)
+                        progress.set_postfix_str(f"{layout} {mode} T={tokens} {name}")
+                        progress.update()
                     iters = args.iters if mode == "graph" else 3 * args.iters  # eager: noisier
                     times = interleaved_medians(runs, iters=iters, warmup=3)
                 del runs
@@ -173,23 +165,32 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                            **({"moe_dispatch": args.moe_dispatch} if shape.experts else {})})
         del block
         torch.cuda.empty_cache()
+    progress.close()
     return tables
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Measure TokenWeave's split-policy table")
-    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES))
-    parser.add_argument("--hidden", type=int, help="custom shape: hidden size (with --ffn ...)")
-    parser.add_argument("--ffn", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--kv-groups", type=int)
-    parser.add_argument("--tp", type=int, default=2)
+PROG = "python -m megatron_tokenweave.tune"
+CUSTOM_SHAPE = ("hidden", "ffn", "heads", "kv_groups")
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES),
+                        metavar="MODEL", help=f"model shape, of {', '.join(sorted(SHAPES))}")
+    parser.add_argument("--hidden", type=int,
+                        help="a custom dense shape instead of --model: hidden size (with --ffn, "
+                             "--heads and --kv-groups)")
+    parser.add_argument("--ffn", type=int, help="custom shape: MLP hidden size")
+    parser.add_argument("--heads", type=int, help="custom shape: attention heads")
+    parser.add_argument("--kv-groups", type=int, help="custom shape: key/value head groups")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks, one GPU each")
     parser.add_argument("--layers", type=int, default=4,
                         help="layers of the timed block: the split's cross-layer hand-off "
-                             "shows only with several (session 7: a 2-layer block, one "
-                             "hand-off, measured the copy-engine split at 2K +0.3 %%, a 4-layer "
-                             "one +1.5 %%, the 4-layer block benchmark +2.4 %%)")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
+                             "shows only with several (a 2-layer block has one, a 4-layer block "
+                             "three)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192],
+                        help="token counts of one forward to measure (the table's grid)")
     parser.add_argument("--layouts", nargs="+", choices=["replicated", "sp"],
                         default=["replicated", "sp"],
                         help="replicated: what Megatron's inference engines run; sp: sequence "
@@ -204,22 +205,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-gain", type=float, default=0.01,
                         help="a split or collectives plan must beat the best unsplit fused plan "
                              "by this fraction to be chosen")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="stop adding token counts")
-    parser.add_argument("--out-dir", help="tables go here (default: the cache the layer reads)")
-    args = parser.parse_args(argv)
-    shape = SHAPES[args.model]
-    if args.hidden:
-        shape = Shape(args.hidden, args.ffn, args.heads, args.kv_groups)
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="time budget, s: each table stops adding token counts once its "
+                             "share is spent")
+    parser.add_argument("--out-dir",
+                        help="write the tables here (default: the cache the layer reads)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parser()
+    args = cli.parse_args(argv)
+    custom = [getattr(args, name) for name in CUSTOM_SHAPE]
+    if any(custom) and not all(custom):
+        cli.error("a custom shape needs all of --hidden, --ffn, --heads and --kv-groups")
+    shape = Shape(*custom) if all(custom) else SHAPES[args.model]
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"tuning needs {args.tp} GPUs on this machine")
     tables = spawn(_tune, args.tp, args, shape)[0]
     out_dir = Path(args.out_dir) if args.out_dir else CACHE_DIR / "tuning"
     out_dir.mkdir(parents=True, exist_ok=True)
-    print()
     for table in tables:
         key = TableKey(*(table[f.name] for f in dataclasses.fields(TableKey)))
         out = out_dir / key.file_name()
-        table["command"] = "python -m megatron_tokenweave.tune " + " ".join(sys.argv[1:])
+        table["command"] = f"{PROG} " + " ".join(sys.argv[1:] if argv is None else argv)
         out.write_text(json.dumps(table, indent=1))
         print(f"wrote {out}")
         for entry in table["entries"]:

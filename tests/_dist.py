@@ -1,12 +1,14 @@
 """Helpers for the multi-rank CPU tests: run inside ranks started by `launch.spawn` (gloo).
 
-Each test function spawns ONE 2-rank job that runs all of its cases and returns small picklable
-results (max errors, call records) to the parent, which asserts on them.
+Each test function spawns ONE job (2 ranks unless it asks for another TP size) that runs all of
+its cases and returns small picklable results (max errors, call records) to the parent, which
+asserts on them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,12 +16,27 @@ import torch
 
 from megatron_tokenweave.launch import spawn
 
-WORLD = 2
+WORLD = 2  # the TP size of a multi-rank test that does not ask for another
 
 
-def run_ranks(fn, *args: Any) -> list[Any]:
-    """fn(rank, world, *args) on 2 gloo ranks; the per-rank return values."""
-    return spawn(fn, WORLD, *args)
+def run_ranks(fn, *args: Any, world: int = WORLD) -> list[Any]:
+    """fn(rank, world, *args) on `world` gloo ranks (TP=world); the per-rank return values.
+
+    Where the ranks outnumber the CPU cores, each rank runs torch with one intra-op thread: on a
+    2-core machine 4 or 8 ranks of 2 threads each spend most of their time switching, and a
+    collective waits for its slowest rank (about 10x slower forwards, measured at TP=4)."""
+    return spawn(_in_rank, world, rank_threads(world), fn, *args)
+
+
+def rank_threads(world: int) -> int | None:
+    """Intra-op threads a rank of a `world`-rank job runs with (None: torch's default)."""
+    return 1 if world > (os.cpu_count() or 1) else None
+
+
+def _in_rank(rank: int, world: int, threads: int | None, fn, *args: Any) -> Any:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return fn(rank, world, *args)
 
 
 def setup_tp(world: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POISON = 7  # a prompt with this byte (BEL) fails inside the engine: arm_engine_fault
+SOAK_S = 90.0  # a soak's length
+SOAK_REQUESTS = 200  # to the soaked server, the final round of valid requests included
 Request = tuple[str, str, bytes]  # (method, path, raw body)
 
 
@@ -88,14 +91,15 @@ def engine_fault_request(tokens: int = 4) -> Request:
 
 
 def arm_engine_fault(model: Any) -> None:
-    """Make `model` raise inside its last decoder layer, on every rank alike, in any forward whose
-    input holds the POISON byte: an error in the middle of the engine's first forward, after
-    the earlier layers' collectives ran."""
+    """Make `model` raise inside its last decoder layer, on every rank alike, in a prefill (a
+    forward of several positions: prompt tokens only, never generated ones) whose input holds
+    the POISON byte: an error in the middle of the engine's first forward, after the earlier
+    layers' collectives ran."""
     poisoned = [False]
 
     def look(_module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        poisoned[0] = ids is not None and bool((ids == POISON).any())
+        poisoned[0] = ids is not None and ids.shape[-1] > 1 and bool((ids == POISON).any())
 
     def fail(_module, _args):
         if poisoned[0]:
@@ -185,21 +189,22 @@ class SoakReply:
 
 @dataclass
 class Soak:
-    """Concurrent clients sending a fixed mix of valid, bad and engine-fault requests, paced
-    so that `requests` are spread over `duration_s`."""
+    """Concurrent clients sending a fixed mix of valid, bad and (with `fault`) engine-fault
+    requests, paced so that `requests` are spread over `duration_s`."""
 
     url: str
     valid: list[Request]
     bad: list[tuple[Request, str | None]]
     duration_s: float
     requests: int
-    clients: int = 4
+    fault: Request | None = None  # every fault_every-th request
     fault_every: int = 25
+    clients: int = 4
     replies: list[SoakReply] = field(default_factory=list)
 
     def _request(self, k: int) -> tuple[str, int, Request]:
-        if k % self.fault_every == self.fault_every // 2:
-            return "fault", 0, engine_fault_request()
+        if self.fault is not None and k % self.fault_every == self.fault_every // 2:
+            return "fault", 0, self.fault
         if k % 3 == 2:
             i = (k // 3) % len(self.bad)
             return "bad", i, self.bad[i][0]
@@ -286,13 +291,17 @@ class ServerProcess:
         raise AssertionError(f"the server did not start within {timeout} s")
 
     def stop(self, signum: int, limit_s: float) -> tuple[float, str, str]:
-        """Send `signum` to the launcher; (seconds until every rank was gone and the port free,
-        polled up to limit_s + 10 s; the stdout and stderr written after the signal)."""
+        """Send `signum` to the launcher (SIGINT to its process group, as a terminal's Ctrl-C
+        does); (seconds until every rank was gone and the port free, polled up to limit_s + 10
+        s; the stdout and stderr written after the signal)."""
         ranks = self.ranks()
         assert ranks, "no rank processes"
         before = [len(text) for text in self.output()]
         start = time.monotonic()
-        self.proc.send_signal(signum)
+        if signum == signal.SIGINT:
+            os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
         while time.monotonic() - start < limit_s + 10.0:
             if not any(_alive(pid) for pid in ranks) and _port_free(self.port):
                 break

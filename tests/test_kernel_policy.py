@@ -154,6 +154,30 @@ def test_kernel_limits_mirror_the_cuda_constants():
     assert MAX_HIDDEN == value["kMaxThreads"] * value["kMaxVecsPerThread"] * value["kVecElems"]
 
 
+def test_twoshot_threshold_mirrors_the_cuda_constant():
+    """kernels.TWOSHOT_MIN_WORLD is kTwoShotMinWorld of twoshot.cuh (the TP size from which
+    replicated calls too large for the one-shot path take the two-shot path)."""
+    import pathlib
+    import re
+
+    from megatron_tokenweave.kernels import TWOSHOT_MIN_WORLD
+
+    header = pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave/twoshot.cuh"
+    m = re.search(r"constexpr int kTwoShotMinWorld = (\d+);", header.read_text())
+    assert m is not None and TWOSHOT_MIN_WORLD == int(m.group(1))
+
+
+def test_twoshot_applies_to_large_replicated_calls_from_tp4():
+    from megatron_tokenweave.kernels import twoshot_applies
+    from megatron_tokenweave.ops.validate import Layout
+
+    assert not twoshot_applies(Layout.REPLICATED, 2, 4096, 8192, 2)  # TP=2 pulls every row
+    assert twoshot_applies(Layout.REPLICATED, 4, 4096, 8192, 2)
+    assert twoshot_applies(Layout.REPLICATED, 8, 129, 8192, 2)  # past the one-shot buffer
+    assert not twoshot_applies(Layout.REPLICATED, 8, 64, 8192, 2)  # one-shot: 8 MiB exactly
+    assert not twoshot_applies(Layout.SEQUENCE_PARALLEL, 8, 4096, 8192, 2)
+
+
 def test_oneshot_applies_to_small_replicated_calls_only():
     from megatron_tokenweave.kernels import oneshot_applies
     from megatron_tokenweave.ops.validate import Layout

@@ -1,10 +1,13 @@
-"""More model families on the reference path (gloo, TP=2): Qwen2.5-style attention with QKV bias
-(tied and untied embeddings, sequence parallelism on and off) and Mixtral-style MoE layers."""
+"""More model families on the reference path (gloo, TP=2 and 4): Qwen2.5-style attention with QKV
+bias (tied and untied embeddings, sequence parallelism on and off) and Mixtral-style MoE layers.
+At TP=4 the "tiny-tp8" shape (its heads and query groups divide 4) and sequence lengths divisible
+by 4 with odd rows a shard."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from _dist import (
     build_model,
@@ -21,6 +24,11 @@ from megatron_tokenweave.models import MOE_DISPATCH, SHAPES
 
 SPLIT = TokenWeaveConfig(split_threshold=0, split_align=1, tuning_table="none")
 LAYERS = 2
+TINY = {2: SHAPES["tiny"], 4: SHAPES["tiny-tp8"]}  # by TP size
+WORLDS = tuple(TINY)
+# (batch, tokens) by TP size; with sequence parallelism rows a shard: 51 / 27 (Qwen), 18 / 14 (MoE)
+QWEN_TOKENS = {2: (3, 34), 4: (3, 36)}
+MOE_TOKENS = {2: (2, 18), 4: (2, 28)}
 
 
 def _compare(shape, world: int, sp: bool, tokens: torch.Tensor, prepare=None, **kwargs):
@@ -52,18 +60,19 @@ def _random_qkv_bias_(rank: int):
 
 def _qwen(rank: int, world: int) -> list[tuple]:
     setup_tp(world)
-    tokens = torch.randint(0, SHAPES["tiny"].vocab, (3, 34),
+    tokens = torch.randint(0, TINY[world].vocab, QWEN_TOKENS[world],
                            generator=torch.Generator().manual_seed(5))
     return [
-        (tied, sp, *_compare(SHAPES["tiny"], world, sp, tokens, _random_qkv_bias_(rank),
+        (tied, sp, *_compare(TINY[world], world, sp, tokens, _random_qkv_bias_(rank),
                              tied=tied, add_qkv_bias=True))
         for tied in (False, True)
         for sp in (False, True)
     ]
 
 
-def test_qwen_qkv_bias_matches_stock():
-    for tied, sp, err, calls in run_ranks(_qwen)[0]:
+@pytest.mark.parametrize("world", WORLDS, ids=[f"tp{w}" for w in WORLDS])
+def test_qwen_qkv_bias_matches_stock(world):
+    for tied, sp, err, calls in run_ranks(_qwen, world=world)[0]:
         case = f"tied={tied} sp={sp}"
         assert err <= 1e-5, f"{case}: rel error {err}"
         assert calls == 2 * 2 * LAYERS, f"{case}: fused op ran {calls} times"
@@ -80,26 +89,26 @@ def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
                 dist.broadcast(param, src=0)
 
 
-MOE_SHAPE = dataclasses.replace(SHAPES["tiny"], experts=4, topk=2, ffn=96)
-
-
 def _moe(rank: int, world: int) -> list[tuple]:
     setup_tp(world)
-    tokens = torch.randint(0, MOE_SHAPE.vocab, (2, 18), generator=torch.Generator().manual_seed(6))
+    shape = dataclasses.replace(TINY[world], experts=4, topk=2, ffn=96)
+    tokens = torch.randint(0, shape.vocab, MOE_TOKENS[world],
+                           generator=torch.Generator().manual_seed(6))
     return [
-        (dispatch, sp, *_compare(MOE_SHAPE, world, sp, tokens, _same_router_on_every_rank_,
+        (dispatch, sp, *_compare(shape, world, sp, tokens, _same_router_on_every_rank_,
                                  spec_kwargs={"num_experts": 4}, moe_dispatch=dispatch))
         for dispatch in MOE_DISPATCH
         for sp in (False, True)
     ]
 
 
-def test_moe_dispatchers_are_woven():
+@pytest.mark.parametrize("world", WORLDS, ids=[f"tp{w}" for w in WORLDS])
+def test_moe_dispatchers_are_woven(world):
     """Mixtral-style MoE with the all-gather dispatcher (dropless) and the all-to-all dispatcher
     padded to a capacity that drops nothing (the CUDA-graph capturable one): the expert output's
     reduction is the fused op (two per layer per half) and the logits match the stock spec
     (whose dispatcher does its own TP all-gather / reduce-scatter)."""
-    results = run_ranks(_moe)[0]
+    results = run_ranks(_moe, world=world)[0]
     assert {r[0] for r in results} == set(MOE_DISPATCH)
     for dispatcher, sp, err, calls in results:
         case = f"dispatcher={dispatcher} sp={sp}"

@@ -1,18 +1,32 @@
-"""GPTModel with the TokenWeave spec vs the stock local spec on 2 gloo ranks (TP=2, fp32).
+"""GPTModel with the TokenWeave spec vs the stock local spec on gloo ranks at TP=2, 4 and 8 (fp32).
 
-Every case runs inside ONE spawned 2-rank job (module fixture); the tests below assert on what the
-ranks returned. Cases: token counts 1, 7, 64, 1000, 1024, 1031 x batch 1, 3 x sequence
-parallelism off/on x split forced (align 1) / split with align 128 and an offset / no split /
-split forced with comm="collectives" (torch.distributed collectives instead of the fused op) /
-split forced with comm="copy_engine" (the reference runs each op where its reduction is due).
-The tokenweave model loads the stock model's state_dict with strict=True. With sequence
-parallelism it is built from `get_gpt_decoder_block_tokenweave_spec` and compared with the stock
-model WITHOUT sequence parallelism (same math; the stock local spec's final norm refuses SP).
+The TP size is the parameter of the fp32 tests (ids tp2, tp4, tp8): for each, every case runs
+inside ONE spawned job of that many ranks (module fixture) and the tests assert on what the ranks
+returned. Cases at TP=2 (the "tiny" shape): token counts 1, 7, 64, 1000, 1024, 1031 x batch 1, 3
+x sequence parallelism off/on x split forced (align 1) / split with align 128 and an offset / no
+split / split forced with comm="collectives" (torch.distributed collectives instead of the fused
+op) / split forced with comm="copy_engine" (the reference runs each op where its reduction is
+due); the TP=2 job also runs the bf16/fp16 models. At TP=4 and 8 (the "tiny-tp8" shape: 16
+heads, 8 query groups) the same checks on fewer, odd cases (`_tp_cases`): odd rows per sequence
+shard (3, 7, 27), one row per shard (never split), odd replicated row counts, and lengths that
+sequence parallelism must refuse (not divisible by the TP size, one of them divisible by 2),
+with every split setting above (the aligned one splits 27 rows into 8 + 19 there). The
+tokenweave model loads the stock model's state_dict with strict=True. With sequence parallelism
+it is built from `get_gpt_decoder_block_tokenweave_spec` and compared with the stock model
+WITHOUT sequence parallelism (same math; the stock local spec's final norm refuses SP).
+
+The logits must be within rel 1e-5 of the stock model's. They are often, not always, bit-exact
+(measured: 71 of 90 cases at TP=2, worst 2.5e-7; 17 of 55 at TP=4 and 8, worst 5.4e-7): a
+split's GEMMs run on a half's rows, which the CPU GEMM may round differently from all rows (at
+TP=2 only the splits of odd row counts differ), and from TP=4 on gloo's fp32 sum of the ranks'
+partials depends on its algorithm for the message (a half or all rows; the stock all-reduce or
+the reference's reduce-scatter: unsplit sequence-parallel cases of 1 row a shard differ).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -28,7 +42,7 @@ from _dist import (
 )
 
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.models import SHAPES
+from megatron_tokenweave.models import SHAPES, Shape
 
 TOKENS = (1, 7, 64, 1000, 1024, 1031)
 BATCHES = (1, 3)
@@ -56,49 +70,76 @@ LOW_PRECISION_CASES = ((3, 64), (1, 1000))  # (batch, tokens)
 SP_REFUSAL = "First dimension of the tensor should be divisible by tensor parallel size"
 
 
-def _parity_worker(rank: int, world: int) -> dict:
+def _tp_cases(world: int) -> tuple[tuple[int, int], ...]:
+    """(tokens, batch) at TP=world (4 or 8). Rows a chunk with sequence parallelism / without:
+    (1, 1): refused / 1 (never split); (world, 1): 1 / world; (world, 3): 3 (halves 1 + 2) /
+    3 world; (7 world, 1): 7 / 7 world; (9 world, 3): 27 / 27 world; (2 world + 2, 1): refused
+    (divisible by 2, not by world) / 2 world + 2; (37, 3): refused / 111."""
+    return ((1, 1), (world, 1), (world, 3), (7 * world, 1), (9 * world, 3),
+            (2 * world + 2, 1), (37, 3))
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What the job of one TP size runs."""
+
+    shape: Shape
+    cases: tuple[tuple[int, int], ...]  # (tokens, batch), each with every SPLITS, SP off and on
+
+
+SUITES = {
+    2: Suite(SHAPE, tuple(itertools.product(TOKENS, BATCHES))),
+    4: Suite(SHAPES["tiny-tp8"], _tp_cases(4)),
+    8: Suite(SHAPES["tiny-tp8"], _tp_cases(8)),
+}
+WORLDS = tuple(SUITES)
+
+
+def _parity_worker(rank: int, world: int, low_precision: bool) -> tuple[dict, dict | None]:
+    """(fp32 results by (tokens, batch, sp, split), low-precision results or None)."""
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
     setup_tp(world)
-    stock = build_model("stock", SHAPE, LAYERS, world)
+    suite = SUITES[world]
+    shape = suite.shape
+    stock = build_model("stock", shape, LAYERS, world)
     randomize_norms_(stock, seed=11)
     state = stock.state_dict()
     models = {}
     for sp in (False, True):
-        for split, tw_config in SPLITS.items():
+        for split in SPLITS:
             kind = "tokenweave_block" if sp else "tokenweave"
-            model = build_model(kind, SHAPE, LAYERS, world, tw_config, sequence_parallel=sp)
+            model = build_model(kind, shape, LAYERS, world, SPLITS[split], sequence_parallel=sp)
             model.load_state_dict(state, strict=True)
             models[(sp, split)] = model
     gen = torch.Generator().manual_seed(3)  # the same tokens on every rank
     results: dict = {}
-    for seq in TOKENS:
-        for batch in BATCHES:
-            tokens = torch.randint(0, SHAPE.vocab, (batch, seq), generator=gen)
-            want = forward(stock, tokens)
-            for (sp, split), model in models.items():
-                case: dict = {}
-                if sp and seq % world:
-                    # What stock Megatron does with this shape under sequence parallelism.
-                    try:
-                        scatter_to_sequence_parallel_region(torch.randn(seq, batch, SHAPE.hidden))
-                        case["stock_raised"] = None
-                    except Exception as exc:  # noqa: BLE001 - reported to the parent
-                        case["stock_raised"] = (type(exc).__name__, str(exc))
-                    try:
-                        forward(model, tokens)
-                        case["raised"] = None
-                    except Exception as exc:  # noqa: BLE001 - reported to the parent
-                        case["raised"] = (type(exc).__name__, str(exc))
-                else:
-                    with record_fused_calls() as calls, record_collective_calls() as coll:
-                        got = forward(model, tokens)
-                    case["err"] = rel_err(got, want)
-                    case["finite"] = bool(torch.isfinite(got).all())
-                    case["calls"] = list(calls)
-                    case["collective_calls"] = list(coll)
-                results[(seq, batch, sp, split)] = case
-    return results, _low_precision(world, state)
+    for seq, batch in suite.cases:
+        tokens = torch.randint(0, shape.vocab, (batch, seq), generator=gen)
+        want = forward(stock, tokens)
+        for (sp, split), model in models.items():
+            case: dict = {}
+            if sp and seq % world:
+                # What stock Megatron does with this shape under sequence parallelism.
+                try:
+                    scatter_to_sequence_parallel_region(torch.randn(seq, batch, shape.hidden))
+                    case["stock_raised"] = None
+                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                    case["stock_raised"] = (type(exc).__name__, str(exc))
+                try:
+                    forward(model, tokens)
+                    case["raised"] = None
+                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                    case["raised"] = (type(exc).__name__, str(exc))
+            else:
+                with record_fused_calls() as calls, record_collective_calls() as coll:
+                    got = forward(model, tokens)
+                case["err"] = rel_err(got, want)
+                case["finite"] = bool(torch.isfinite(got).all())
+                case["calls"] = list(calls)
+                case["collective_calls"] = list(coll)
+            results[(seq, batch, sp, split)] = case
+    return results, _low_precision(world, state) if low_precision else None
 
 
 def _try_forward(model, tokens):
@@ -149,18 +190,27 @@ def _low_precision(world: int, state: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def both():
-    return run_ranks(_parity_worker)
+def tp2_job():
+    """The TP=2 job: fp32 cases and the low-precision models (per rank)."""
+    return run_ranks(_parity_worker, True, world=2)
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"tp{w}" for w in WORLDS])
+def world(request) -> int:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def per_rank(both):
-    return [fp32 for fp32, _ in both]
+def per_rank(world, request):
+    """Each rank's fp32 results at TP=world (one job per TP size)."""
+    if world == 2:
+        return [fp32 for fp32, _ in request.getfixturevalue("tp2_job")]
+    return [fp32 for fp32, _ in run_ranks(_parity_worker, False, world=world)]
 
 
 @pytest.fixture(scope="module")
-def low_precision(both):
-    return [low for _, low in both]
+def low_precision(tp2_job):
+    return [low for _, low in tp2_job]
 
 
 def _cases(per_rank, runnable: bool):
@@ -170,8 +220,9 @@ def _cases(per_rank, runnable: bool):
                 yield rank, seq, batch, sp, split, case
 
 
-def test_every_case_was_run(per_rank):
-    want = {(s, b, sp, k) for s in TOKENS for b in BATCHES for sp in (False, True) for k in SPLITS}
+def test_every_case_was_run(per_rank, world):
+    want = {(s, b, sp, k) for s, b in SUITES[world].cases for sp in (False, True) for k in SPLITS}
+    assert len(per_rank) == world
     for results in per_rank:
         assert set(results) == want
 
@@ -186,21 +237,23 @@ def test_logits_match_stock_fp32(per_rank):
     assert not bad, f"cases over rel 1e-5 (rank, tokens, batch, sp, split, err): {bad}"
 
 
-def _expected_halves(seq: int, batch: int, sp: bool, split: str) -> tuple[int, int]:
+def _expected_halves(seq: int, batch: int, sp: bool, split: str,
+                     world: int) -> tuple[int, int]:
     """(rows per chunk, number of halves) the schedule must use for this case."""
-    rows = (seq // 2 if sp else seq) * batch
+    rows = (seq // world if sp else seq) * batch
     halves = 1 if split == "none" or rows < 2 else 2
     return rows, halves
 
 
-def test_fused_path_ran_two_calls_per_layer_per_half(per_rank):
-    """The woven path ran: 2 fused calls per layer per half, halves covering every row."""
+def test_fused_path_ran_two_calls_per_layer_per_half(per_rank, world):
+    """The woven path ran: 2 fused calls per layer per half, halves covering every row, over
+    every rank's shard (TP size chunks) with sequence parallelism."""
     for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
-        rows, halves = _expected_halves(seq, batch, sp, split)
+        rows, halves = _expected_halves(seq, batch, sp, split, world)
         calls = case["calls"]
         where = (rank, seq, batch, sp, split, calls[:8])
         assert len(calls) == 2 * LAYERS * halves, where
-        assert all(chunks == (2 if sp else 1) for chunks, _ in calls), where
+        assert all(chunks == (world if sp else 1) for chunks, _ in calls), where
         per_layer = [calls[i : i + 2 * halves] for i in range(0, len(calls), 2 * halves)]
         for layer_calls in per_layer:
             attn, mlp = layer_calls[:halves], layer_calls[halves:]
@@ -209,14 +262,14 @@ def test_fused_path_ran_two_calls_per_layer_per_half(per_rank):
             assert all(r > 0 for _, r in attn), where
 
 
-def test_split_on_runs_two_halves(per_rank):
+def test_split_on_runs_two_halves(per_rank, world):
     """With the split forced (threshold 0, align 1) every case with >= 2 rows a chunk runs two
     halves, split at the midpoint: [0, rows // 2) and [rows // 2, rows)."""
     for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
-        rows, _ = _expected_halves(seq, batch, sp, split)
+        rows, _ = _expected_halves(seq, batch, sp, split, world)
         if split not in FORCED or rows < 2:
             continue
-        chunks = 2 if sp else 1
+        chunks = world if sp else 1
         first_layer = case["calls"][:4]
         want = [(chunks, rows // 2), (chunks, rows - rows // 2)] * 2
         assert first_layer == want, (rank, seq, batch, sp)
@@ -230,11 +283,11 @@ def test_comm_collectives_runs_every_call_through_collectives(per_rank):
         assert case["collective_calls"] == want, (rank, seq, batch, sp, split)
 
 
-def test_aligned_split_uses_alignment_and_offset(per_rank):
+def test_aligned_split_uses_alignment_and_offset(per_rank, world):
     """With split_align=128 and split_offset=8 the first half is a multiple of 128 plus 8 (the
     largest not above half the rows), or the midpoint when that does not fit."""
     for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
-        rows, halves = _expected_halves(seq, batch, sp, split)
+        rows, halves = _expected_halves(seq, batch, sp, split, world)
         if split != "aligned" or halves == 1:
             continue
         first = case["calls"][0][1]
@@ -245,20 +298,23 @@ def test_aligned_split_uses_alignment_and_offset(per_rank):
             assert first == rows // 2, (rank, seq, batch, sp)
 
 
-def test_no_split_runs_one_half(per_rank):
+def test_no_split_runs_one_half(per_rank, world):
     """With a huge threshold there is one half: 2 fused calls per layer over all rows."""
     for _, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
         if split == "none":
-            rows, _ = _expected_halves(seq, batch, sp, split)
-            assert case["calls"] == [(2 if sp else 1, rows)] * (2 * LAYERS)
+            rows, _ = _expected_halves(seq, batch, sp, split, world)
+            assert case["calls"] == [(world if sp else 1, rows)] * (2 * LAYERS)
 
 
-def test_sequence_parallel_refuses_lengths_not_divisible_by_tp(per_rank):
-    """Sequence lengths 1, 7, 1031 with sequence parallelism at TP=2: stock Megatron refuses them
-    (its scatter to the sequence-parallel region raises AssertionError: the first dimension must
-    be divisible by the TP size), and the tokenweave model raises that same AssertionError."""
+def test_sequence_parallel_refuses_lengths_not_divisible_by_tp(per_rank, world):
+    """Sequence lengths not divisible by the TP size with sequence parallelism (1, 7, 1031 at
+    TP=2; 1, 10, 37 at TP=4; 1, 18, 37 at TP=8): stock Megatron refuses them (its scatter to the
+    sequence-parallel region raises AssertionError: the first dimension must be divisible by the
+    TP size), and the tokenweave model raises that same AssertionError."""
+    want = {(seq, True) for seq, _ in SUITES[world].cases if seq % world}
+    assert len({seq for seq, _ in want}) == 3, want
     refused = list(_cases(per_rank, runnable=False))
-    assert {(seq, sp) for _, seq, _, sp, _, _ in refused} == {(1, True), (7, True), (1031, True)}
+    assert {(seq, sp) for _, seq, _, sp, _, _ in refused} == want
     for rank, seq, batch, _sp, split, case in refused:
         assert case["stock_raised"] == ("AssertionError", SP_REFUSAL), (rank, seq, batch)
         assert case["raised"] == ("AssertionError", SP_REFUSAL), (rank, seq, batch, split, case)

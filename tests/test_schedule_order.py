@@ -11,6 +11,9 @@ fused op log themselves, and the test asserts the dependencies the GPU relies on
 - on the copy-engine data path (replicated layout) the side stream carries only each op's
   transfer, and its reduction runs on the main stream after the wait for that transfer, before
   the first GEMM that reads the half (never beside a GEMM).
+
+Both are checked at TP=2, 4 and 8 (the parameter of both tests: one job per TP size records the
+two schedules); at TP=4 and 8 with the "tiny-tp8" shape, whose heads and query groups divide 8.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 
+import pytest
 import torch
 from _dist import build_model, forward, run_ranks, setup_tp
 
@@ -25,17 +29,17 @@ from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.models import SHAPES
 
 LAYERS = 3
+SHAPE = {2: SHAPES["tiny"], 4: SHAPES["tiny-tp8"], 8: SHAPES["tiny-tp8"]}  # by TP size
+WORLDS = tuple(SHAPE)
 
 
-def _record(rank: int, world: int, comm: str = "fused", sp: bool = True,
-            tokens: int = 40) -> list[tuple]:
+def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40) -> list[tuple]:
     import megatron_tokenweave.linears as linears_mod
     from megatron_tokenweave.communicator import Communicator
     from megatron_tokenweave.schedule import SideStream
 
-    setup_tp(world)
     cfg = TokenWeaveConfig(split_threshold=0, split_align=1, comm=comm, tuning_table="none")
-    model = build_model("tokenweave_block", SHAPES["tiny"], LAYERS, world, cfg,
+    model = build_model("tokenweave_block", SHAPE[world], LAYERS, world, cfg,
                         sequence_parallel=sp)
     names = {p.data_ptr(): n for n, p in model.named_parameters()}
     log: list[tuple] = []
@@ -90,11 +94,25 @@ def _record(rank: int, world: int, comm: str = "fused", sp: bool = True,
         for i, layer in enumerate(model.decoder.layers):
             layer.register_forward_pre_hook(lambda *_, i=i: log.append(("begin", i)))
             layer.register_forward_hook(lambda *_, i=i: log.append(("end", i)))
-        forward(model, torch.randint(0, SHAPES["tiny"].vocab, (1, tokens)))
+        forward(model, torch.randint(0, SHAPE[world].vocab, (1, tokens)))
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
     return log
+
+
+def _record_both(rank: int, world: int) -> tuple[list[tuple], list[tuple]]:
+    """The two schedules the tests read, recorded in one job: the fused op with sequence
+    parallelism (40 tokens: halves of 20 / world rows a shard) and the copy-engine data path,
+    replicated (41 tokens: halves of 20 and 21 rows at every TP size)."""
+    setup_tp(world)
+    return _record(world), _record(world, "copy_engine", False, 41)
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"tp{w}" for w in WORLDS])
+def logs(request) -> tuple[list[tuple], list[tuple]]:
+    """Rank 0's two recordings at TP=param."""
+    return run_ranks(_record_both, world=request.param)[0]
 
 
 def _split_layers(log):
@@ -110,8 +128,8 @@ def _split_layers(log):
     return layers
 
 
-def test_stream_dependencies_of_the_woven_schedule():
-    log = run_ranks(_record)[0]
+def test_stream_dependencies_of_the_woven_schedule(logs):
+    log = logs[0]
     layers = _split_layers(log)
     assert len(layers) == LAYERS
     handed_off: list[str] | None = None
@@ -151,9 +169,9 @@ def test_stream_dependencies_of_the_woven_schedule():
         handed_off = mlp_events
 
 
-def test_copy_engine_reduction_runs_on_the_main_stream_before_its_consumer():
+def test_copy_engine_reduction_runs_on_the_main_stream_before_its_consumer(logs):
     # 41 tokens, replicated: halves of 20 and 21 rows, so every op names its half by its rows.
-    log = run_ranks(_record, "copy_engine", False, 41)[0]
+    log = logs[1]
     layers = _split_layers(log)
     assert len(layers) == LAYERS
     rows = (20, 21)

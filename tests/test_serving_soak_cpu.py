@@ -16,18 +16,19 @@ import time
 
 import pytest
 from _serving import (
+    SOAK_REQUESTS,
+    SOAK_S,
     ServerProcess,
     Soak,
     bad_requests,
     check_bad_answer,
     check_fault_answer,
+    engine_fault_request,
     http,
 )
 
 from megatron_tokenweave.launch import free_port
 
-SOAK_S = 90.0
-SOAK_REQUESTS = 200  # to the soaked server, the final round of valid requests included
 STOP_LIMIT_S = 5.0  # every rank gone and the port free within this after the signal
 MAX_BATCH, MAX_SEQ, WORKSPACE = 4, 96, 128
 SERVER_OPTIONS = ("--max-batch", str(MAX_BATCH), "--max-seq", str(MAX_SEQ), "--layers", "2",
@@ -78,7 +79,8 @@ def soak(tmp_path_factory) -> dict:
         stock_stop = stock.stop(signal.SIGINT, STOP_LIMIT_S)
         woven.wait_ready()
         start = time.monotonic()
-        replies = Soak(woven.url, VALID, BAD, SOAK_S, SOAK_REQUESTS - len(VALID)).run()
+        replies = Soak(woven.url, VALID, BAD, SOAK_S, SOAK_REQUESTS - len(VALID),
+                       fault=engine_fault_request()).run()
         final = [http(woven.url + path, method, body) for method, path, body in VALID]
         served_s = time.monotonic() - start
         woven_stop = woven.stop(signal.SIGTERM, STOP_LIMIT_S)

@@ -1,1 +1,22 @@
-"""Benchmarks: `python -m megatron_tokenweave.bench {kernel,block} [options]`."""
+"""Benchmarks: `python -m megatron_tokenweave.bench COMMAND [options]` (`--help` lists them)."""
+
+from __future__ import annotations
+
+import argparse
+
+PROG = "python -m megatron_tokenweave.bench"  # every benchmark's usage line starts with it
+
+
+def command_parser(command: str, doc: str) -> argparse.ArgumentParser:
+    """One benchmark command's parser: its usage line under PROG, the first paragraph of its
+    module docstring as the description, defaults shown in --help."""
+    return argparse.ArgumentParser(prog=f"{PROG} {command}", description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_model_argument(parser: argparse.ArgumentParser, what: str = "model shape") -> None:
+    """--model: one of megatron_tokenweave.models.SHAPES."""
+    from megatron_tokenweave.models import SHAPES
+
+    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES),
+                        metavar="MODEL", help=f"{what}, of {', '.join(sorted(SHAPES))}")

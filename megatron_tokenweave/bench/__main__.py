@@ -1,18 +1,43 @@
-"""`python -m megatron_tokenweave.bench NAME ...` runs megatron_tokenweave.bench.NAME.main."""
+"""`python -m megatron_tokenweave.bench COMMAND [options]`: run one benchmark
+(megatron_tokenweave.bench.COMMAND.main); `--help` lists them, `COMMAND --help` its options."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
-NAMES = ("kernel", "block", "timeline", "e2e", "split_cost")
+from megatron_tokenweave.bench import PROG
+
+COMMANDS = {  # one line each in --help (80 columns)
+    "kernel": "the fused op vs NCCL, FlashInfer, symmetric memory (2 GPUs)",
+    "block": "decoder block: stock, its no-comm ceiling, TokenWeave (2 GPUs)",
+    "e2e": "prefill and throughput through Megatron's engines (2 GPUs)",
+    "timeline": "both CUDA streams of one woven layer, as a picture (2 GPUs)",
+    "split_cost": "what the token split costs the GEMMs (1 GPU)",
+}
 
 
-def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in NAMES:
-        raise SystemExit(f"usage: python -m megatron_tokenweave.bench {{{','.join(NAMES)}}} [...]")
-    module = importlib.import_module(f"megatron_tokenweave.bench.{sys.argv[1]}")
-    module.main(sys.argv[2:])
+def parser() -> argparse.ArgumentParser:
+    """The command list; each command parses its own options."""
+    width = max(map(len, COMMANDS))
+    listing = "\n".join(f"  {name:<{width}}  {summary}" for name, summary in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="TokenWeave benchmarks; each writes a result JSON and a plot.",
+        epilog=f"commands:\n{listing}\n\n`{PROG} COMMAND --help` lists a command's options.")
+    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND",
+                        help="the benchmark to run (commands below)")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the command's options")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        importlib.import_module(f"megatron_tokenweave.bench.{argv[0]}").main(argv[1:])
+        return
+    parser().parse_args(argv)  # --help; else the usage and what is wrong
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ import dataclasses
 import json
 
 import torch
+from tqdm import tqdm
 
+from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
@@ -86,6 +88,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     stock_name = "te" if use_te else "local"
     base_cfg = TokenWeaveConfig.from_env(TokenWeaveConfig(max_tokens=max(args.tokens)))
     rows: list[dict] = []
+    progress = tqdm(total=len(args.models) * len(args.tokens) * len(args.batch), desc="block",
+                    unit="case", disable=rank != 0)
     for model in args.models:
         shape = SHAPES[model]
         extra = shape.spec_kwargs()
@@ -159,10 +163,12 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 if rank == 0:  # kept as measured, should a later case fail
                     with open(args.out + ".rows.jsonl", "a") as f:
                         f.writelines(json.dumps(row) + "\n" for row in new)
-                    print(f"{model} T={tokens} b={batch}: " + "  ".join(
-                        f"{k}/{m}={v:.0f}us" for (k, m), v in med.items()), flush=True)
+                    progress.write(f"{model} T={tokens} b={batch}: " + "  ".join(
+                        f"{k}/{m}={v:.0f}us" for (k, m), v in med.items()))
+                progress.update()
         del blocks
         torch.cuda.empty_cache()
+    progress.close()
     return rows
 
 
@@ -199,16 +205,21 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="TokenWeave decoder-block benchmark")
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser("block", __doc__)
     parser.add_argument("--models", nargs="+", default=["llama-3.3-70b", "llama-3-8b"],
-                        choices=sorted(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--batch", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+                        choices=sorted(SHAPES), metavar="MODEL",
+                        help=f"model shapes to time, of {', '.join(sorted(SHAPES))}")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192],
+                        help="tokens of one forward (all sequences together)")
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 4],
+                        help="sequences per forward (tokens/batch tokens each)")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the timed block")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks, one GPU each")
+    parser.add_argument("--iters", type=int, default=20,
+                        help="timed forwards per implementation (interleaved; medians)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="untimed forwards per implementation before timing")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="TokenWeave variants to time beside the stock spec and its ceiling")
     parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
@@ -220,8 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"],
                         choices=["graph", "eager"],
                         help="graph: CUDA-graph replays (GPU time); eager: Python launches too")
-    parser.add_argument("--out", default="docs/results/block_tp2.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default="docs/results/block_tp2.json",
+                        help="result JSON (plot beside it; rows also appended to OUT.rows.jsonl "
+                             "as measured)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the block benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_tokenweave.bench import add_model_argument, command_parser
 from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.launch import spawn
@@ -264,31 +265,43 @@ def _plot_speedups(ax, speed: dict, stock: str, xlabel: str) -> None:
     ax.legend(loc="lower right")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="TokenWeave end-to-end inference benchmark")
-    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--prefill-tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--engine", choices=["auto", "dynamic", "static"], default="auto")
-    parser.add_argument("--prompts", type=int, default=200)
-    parser.add_argument("--mixed-min", type=int, default=128)
-    parser.add_argument("--mixed-max", type=int, default=4096)
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser("e2e", __doc__)
+    add_model_argument(parser, "model shape")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the model")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks, one GPU each")
+    parser.add_argument("--prefill-tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192],
+                        help="prefill: prompt lengths timed (batch 1, one output token)")
+    parser.add_argument("--reps", type=int, default=5, help="prefill: timings per length (median)")
+    parser.add_argument("--engine", choices=["auto", "dynamic", "static"], default="auto",
+                        help="throughput: the engine; auto: dynamic where it can run here")
+    # The throughput workload and engine sizes: (option, type, default, help).
+    for flag, kind, default, text in (
+        ("--prompts", int, 200, "throughput: prompts in the workload"),
+        ("--mixed-min", int, 128, "throughput: shortest prompt, tokens (lengths log-uniform)"),
+        ("--mixed-max", int, 4096, "throughput: longest prompt, tokens"),
+        ("--max-batch", int, 16, "static engine: prompts per batch; dynamic: concurrent requests"),
+        ("--chunk", int, 2048, "dynamic engine: chunked-prefill tokens per step"),
+        ("--kv-gb", float, 16.0, "dynamic engine: KV cache, GB"),
+        ("--throughput-reps", int, 2, "throughput: passes of the workload per model"),
+        ("--cuda-graphs", int, 0, "dynamic engine: at most this many inference CUDA graphs "
+                                  "(0: eager)"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--output-tokens", nargs="+", type=int, default=[32],
                         help="throughput: one workload per value (generated tokens per prompt)")
-    parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--chunk", type=int, default=2048)
-    parser.add_argument("--kv-gb", type=float, default=16.0)
-    parser.add_argument("--throughput-reps", type=int, default=2)
-    parser.add_argument("--cuda-graphs", type=int, default=0,
-                        help="dynamic engine: up to this many inference CUDA graphs (0: eager)")
-    parser.add_argument("--cuda-graph-scope", choices=["layer", "block"], default="layer")
+    parser.add_argument("--cuda-graph-scope", choices=["layer", "block"], default="layer",
+                        help="with --cuda-graphs: a graph per layer or per decoder block")
     parser.add_argument("--local", action="store_true", help="local specs even with TE")
     parser.add_argument("--metrics", nargs="+", choices=["prefill", "throughput"],
-                        default=["prefill", "throughput"])
-    parser.add_argument("--out", default="docs/results/e2e_tp2.json")
-    return parser.parse_args(argv)
+                        default=["prefill", "throughput"], help="what to measure")
+    parser.add_argument("--out", default="docs/results/e2e_tp2.json",
+                        help="result JSON (plot beside it)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.timing import capture_graph
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
@@ -368,16 +369,19 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m megatron_tokenweave.bench kernel")
-    ap.add_argument("--out", default="docs/results/kernel_tp2.json")
+def parser() -> argparse.ArgumentParser:
+    ap = command_parser("kernel", __doc__)
+    ap.add_argument("--out", default="docs/results/kernel_tp2.json", help="result JSON")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     ap.add_argument("--tokens", type=int, nargs="+",
-                    default=[128, 256, 512, 1024, 2048, 4096, 8192])
-    ap.add_argument("--ctas", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--gemm-n", type=int, default=28672)
-    ap.add_argument("--iters", type=int, default=25)
+                    default=[128, 256, 512, 1024, 2048, 4096, 8192],
+                    help="token counts of one op (all ranks' rows together)")
+    ap.add_argument("--ctas", type=int, nargs="+", default=[4, 8, 16, 32, 64],
+                    help="CTA counts of the fused kernel")
+    ap.add_argument("--hidden", type=int, default=8192, help="hidden size")
+    ap.add_argument("--gemm-n", type=int, default=28672,
+                    help="overlap: N of the GEMM [T/2, H] x [H, N] beside the op")
+    ap.add_argument("--iters", type=int, default=25, help="timed calls per case")
     ap.add_argument("--regs-ctas", type=int, nargs="*", default=[16, 64],
                     help="CTA counts also timed on the register path (TOKENWEAVE_NO_BULK=1)")
     ap.add_argument("--graph-ctas", type=int, default=16,
@@ -393,8 +397,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "where it imports (multicast-free IPC workspace only)")
     ap.add_argument("--record-out", default=None,
                     help="--out value to record in the JSON's command (default: --out)")
-    ap.add_argument("--buffer-mb", type=int, default=768)
-    args = ap.parse_args(argv)
+    ap.add_argument("--buffer-mb", type=int, default=768,
+                    help="symmetric (peer-mapped) buffer per rank, MiB")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     os.environ.update(NO_MULTICAST_ENV)
     if torch.cuda.device_count() < 2:
         sys.exit("the kernel benchmark needs 2 GPUs")

@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from megatron_tokenweave.bench import add_model_argument, command_parser
 from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES, Shape
@@ -80,14 +81,22 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser("split_cost", __doc__)
+    add_model_argument(parser, "dense model shape")
+    parser.add_argument("--tp", type=int, default=2,
+                        help="tensor-parallel size whose per-rank GEMM shards are timed")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192],
+                        help="tokens of one forward")
+    parser.add_argument("--iters", type=int, default=30,
+                        help="timed replays per GEMM plan (interleaved; medians)")
+    parser.add_argument("--out", default="docs/results/split_cost.json",
+                        help="result JSON (plot beside it)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="the token split's GEMM cost, one GPU")
-    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES))
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--out", default="docs/results/split_cost.json")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the split-cost benchmark needs a GPU")
     shape = SHAPES[args.model]

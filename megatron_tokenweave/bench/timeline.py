@@ -14,6 +14,7 @@ import json
 
 import torch
 
+from megatron_tokenweave.bench import add_model_argument, command_parser
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES, llama_config
 
@@ -105,14 +106,20 @@ def _draw(kernels: list[dict], out: str, title: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser("timeline", __doc__)
+    add_model_argument(parser, "model shape")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens of the profiled forward")
+    parser.add_argument("--ctas", type=int, default=16,
+                        help="CTAs of the fused op in each phase")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks, one GPU each")
+    parser.add_argument("--out", default="docs/results/timeline_tp2.png",
+                        help="picture (PNG); the chrome trace goes beside it (_trace.json)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Two-stream timeline of one woven layer")
-    parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES))
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--ctas", type=int, default=16)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--out", default="docs/results/timeline_tp2.png")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     args.trace = args.out.replace(".png", "_trace.json")
     kernels = spawn(_profile, args.tp, args)[0]
     _draw(kernels, args.out, f"{args.model}, {args.tokens} tokens, TP={args.tp}, "

@@ -16,7 +16,7 @@ import torch
 
 from megatron_tokenweave.kernels._ext import load_extension
 from megatron_tokenweave.kernels.copy_engine import CopyEngineMirror
-from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+from megatron_tokenweave.kernels.symmetric import PeerBuffer
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_CTAS,
@@ -31,17 +31,17 @@ from megatron_tokenweave.ops.validate import (
 
 MIN_CTAS = 1
 DEFAULT_CTAS = 16
-# Replicated layout: every rank pulls every row from every peer (no reduce-scatter +
-# all-gather). At TP=2 that moves the same total bytes as a two-shot, but all in one link
-# direction instead of half in each, and it needs one barrier pair instead of a second data
-# phase; a two-shot would pay off above ~1K tokens at TP>=4. Not implemented: the
-# sequence-parallel layout is the fast path (a two-shot whose gather writes the normed rows
-# straight to the peers).
-#
-# Small replicated calls take the flagless one-shot path (csrc/include/tokenweave/oneshot.cuh)
-# when all ranks' rows fit one receive buffer; mirrors kOneShotRoundBytes in signal.cuh (a CPU
-# test keeps the two equal).
+# Replicated layout, by size and TP (csrc/ops.cu launch_sm):
+# - small calls take the flagless one-shot path (csrc/include/tokenweave/oneshot.cuh) when all
+#   ranks' rows fit one receive buffer (ONESHOT_ROUND_BYTES mirrors kOneShotRoundBytes in
+#   signal.cuh; a CPU test keeps the two equal);
+# - from TWOSHOT_MIN_WORLD ranks on, the others take the two-shot path (twoshot.cuh: each rank
+#   reduces the rows it owns and writes them back to every peer: 2(P-1)/P of the partial over
+#   NVLink per rank);
+# - below it every rank pulls every row from every peer (the barrier path): at TP=2 the same
+#   total bytes as a two-shot, with one barrier pair and no second pass.
 ONESHOT_ROUND_BYTES = 8 << 20
+TWOSHOT_MIN_WORLD = 4
 
 
 def oneshot_applies(layout: Layout, world: int, rows: int, hidden: int, elem_bytes: int) -> bool:
@@ -50,10 +50,17 @@ def oneshot_applies(layout: Layout, world: int, rows: int, hidden: int, elem_byt
     return layout is Layout.REPLICATED and world * rows * hidden * elem_bytes <= ONESHOT_ROUND_BYTES
 
 
+def twoshot_applies(layout: Layout, world: int, rows: int, hidden: int, elem_bytes: int) -> bool:
+    """Whether the CUDA op takes the two-shot path for this call (where the communicator's
+    settings allow it and the one-shot path does not take it)."""
+    return (layout is Layout.REPLICATED and world >= TWOSHOT_MIN_WORLD
+            and not oneshot_applies(layout, world, rows, hidden, elem_bytes))
+
+
 def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
                       weight: torch.Tensor | None, residual_out: torch.Tensor,
                       normed_out: torch.Tensor | None, layout: Layout,
-                      buffer: SymmetricBuffer, ctas: int) -> None:
+                      buffer: PeerBuffer, ctas: int) -> None:
     """Contract checks + kernel-specific ones; raise TokenWeaveInputError."""
     check_fused_args(partial, residual, weight, residual_out, normed_out, layout, buffer.world)
     if partial.dtype not in KERNEL_DTYPES:
@@ -82,7 +89,7 @@ def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
             raise TokenWeaveInputError("normed_out chunk stride must be a multiple of 16 bytes")
 
 
-def _partial_outside(partial: torch.Tensor, buffer: SymmetricBuffer,
+def _partial_outside(partial: torch.Tensor, buffer: PeerBuffer,
                      region: str) -> TokenWeaveInputError:
     return TokenWeaveInputError(
         f"partial (offset {buffer.offset_of(partial)}, "
@@ -100,6 +107,8 @@ class KernelSettings:
     bulk: the bulk-copy pipeline where its stages fit (else, and on GPUs before sm_90, the
         register path).
     oneshot: the flagless one-shot path for small replicated calls (oneshot_applies).
+    twoshot: the two-shot path for the other replicated calls at TP >= 4 (twoshot_applies;
+        else every rank pulls every row).
     local_stores_only: benchmark diagnostic (results are WRONG): sequence-parallel normed rows
         are stored locally only, which measures what the remote stores cost.
     """
@@ -107,15 +116,17 @@ class KernelSettings:
     bulk: bool = True
     oneshot: bool = True
     local_stores_only: bool = False
+    twoshot: bool = True
 
     @property
     def flags(self) -> int:
         """comm_create's flag bits (csrc/ops.cu Flags)."""
-        return int(self.bulk) | int(self.oneshot) << 1 | int(self.local_stores_only) << 2
+        return (int(self.bulk) | int(self.oneshot) << 1 | int(self.local_stores_only) << 2
+                | int(self.twoshot) << 3)
 
 
 class KernelComm:
-    """The C++ communicator of one SymmetricBuffer (and, for the copy-engine path, its mirror).
+    """The C++ communicator of one peer-mapped buffer (and, for the copy-engine path, its mirror).
 
     Every rank must create it with the same settings, call `run` with the same shapes, layout,
     ctas, path and phase, in the same order (one op in flight per buffer), and `close` it before
@@ -123,7 +134,7 @@ class KernelComm:
     NaN into its outputs; so does every later launch, until a new buffer replaces this one.
     """
 
-    def __init__(self, buffer: SymmetricBuffer, settings: KernelSettings | None = None) -> None:
+    def __init__(self, buffer: PeerBuffer, settings: KernelSettings | None = None) -> None:
         load_extension()
         self.buffer = buffer
         self.settings = settings or KernelSettings()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+from megatron_tokenweave.kernels.symmetric import PeerBuffer
 
 
 class CopyEngineMirror:
@@ -22,7 +22,7 @@ class CopyEngineMirror:
     data bases on this path, own data base at `rank`, then the signal pads).
     """
 
-    def __init__(self, buffer: SymmetricBuffer, nbytes: int) -> None:
+    def __init__(self, buffer: PeerBuffer, nbytes: int) -> None:
         if not 0 < nbytes <= buffer.nbytes:
             raise ValueError(f"mirror of {nbytes} bytes: must be in (0, {buffer.nbytes}]")
         self.buffer = buffer

@@ -2,8 +2,10 @@
 
 Works where NCCL and torch symmetric memory refuse (two ranks sharing one GPU): handles are
 exchanged with all_gather_object over any process group (gloo or NCCL). Each rank's allocation is
-[signal pad (SIGNAL_BYTES) | data (nbytes)]; the kernels address a peer's copy of a tensor as
-peer_data_base[p] + (tensor.data_ptr() - local_data_base).
+[header (signal_pad_bytes()) | data (nbytes)]; the kernels address a peer's copy of a tensor as
+peer_data_base[p] + (tensor.data_ptr() - local_data_base). PeerBuffer holds what the kernels use of
+any such buffer (addressing, error words, lifetime); kernels.multicast.MulticastBuffer is the same
+over torch symmetric memory, with a multicast address.
 """
 
 from __future__ import annotations
@@ -25,19 +27,34 @@ _CTA_SLOTS = MAX_CTAS
 _SLOT_NAMES = {_CTA_SLOTS: "copy-engine op, START/END", _CTA_SLOTS + 1: "copy-engine op, MID"}
 
 
-class SymmetricBuffer:
-    """`nbytes` of peer-mapped device memory per rank of `group`, plus the kernels' header: the
-    signal pad and the one-shot path's three 8 MiB receive buffers (24 MiB more per rank; never
-    zero the header by hand, "+0.0" reads as "arrived": recreate the buffer instead).
+def resolve_device(device: torch.device | int | str | None) -> torch.device:
+    """The CUDA device `device` names (None, or a device without an index: the current one)."""
+    if device is None:
+        idx = torch.cuda.current_device()
+    elif isinstance(device, int):
+        idx = device
+    else:
+        d = torch.device(device)
+        idx = d.index if d.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", idx)
+
+
+class PeerBuffer:
+    """What the kernels use of a symmetric buffer: `nbytes` of peer-mapped device memory per rank
+    of `group`, each rank's allocation laid out as [header | data]. The header is the kernels'
+    signal pad plus the one-shot path's three 8 MiB receive buffers (`signal_bytes`, 24 MiB more
+    per rank; never zero it by hand, "+0.0" reads as "arrived": recreate the buffer instead).
 
     Attributes: rank, world, device, nbytes, peer_allocs / peer_data (host: every rank's
     allocation / data-region base, as mapped here), local (uint8 CUDA tensor of the local data
     region: carve typed views with `.local[a:b].view(dtype).view(shape)`), local_base (int
     address of `local`), bases (CUDA int64 [2*world]: data bases, then signal-pad bases, in
     device memory), signal (uint8 CUDA tensor of the local header), timeout_s, multicast_base
-    (None unless a caller that may use multicast sets it; never created here).
+    (None, or the multicast address of the data regions: only MulticastBuffer sets it).
     Call ops on one buffer in the same order on every rank, one at a time (one stream or ordered
-    streams). `close()` is collective.
+    streams). Creating one and `close()` are collective. Subclasses map the memory in `_map`
+    (SymmetricBuffer: CUDA IPC; kernels.multicast.MulticastBuffer: torch symmetric memory, after
+    `_admit` agreed that it may) and free it in `_release`.
     """
 
     def __init__(
@@ -48,52 +65,39 @@ class SymmetricBuffer:
         *,
         timeout_s: float | None = None,
     ) -> None:
+        """Collective: `_admit` (may refuse on every rank), then `_map` maps the memory."""
+        self._admit(group, device)
         load_extension()
-        ops = torch.ops.tokenweave
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        if device is None:
-            idx = torch.cuda.current_device()
-        elif isinstance(device, int):
-            idx = device
-        else:
-            d = torch.device(device)
-            idx = d.index if d.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", idx)
-        dev = self.device.index
+        self.device = resolve_device(device)
         self.nbytes = (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.signal_bytes = int(ops.signal_pad_bytes())
+        self.signal_bytes = int(torch.ops.tokenweave.signal_pad_bytes())
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.multicast_base: int | None = None
         self._closed = False
-        self._alloc = int(ops.ipc_malloc(self.signal_bytes + self.nbytes, dev))
-        self._opened: list[int] = []
-        try:
-            ops.init_header(self._alloc, dev)
-            handle = bytes(ops.ipc_get_handle(self._alloc, dev).tolist())
-            handles: list[bytes | None] = [None] * self.world
-            dist.all_gather_object(handles, handle, group=group)
-            allocs = []
-            for p, h in enumerate(handles):
-                if p == self.rank:
-                    allocs.append(self._alloc)
-                else:
-                    ptr = int(ops.ipc_open_handle(torch.tensor(list(h), dtype=torch.uint8), dev))
-                    self._opened.append(ptr)
-                    allocs.append(ptr)
-        except Exception:
-            self._release()
-            raise
+        self._map()
+        dist.barrier(group=group)
+
+    def _admit(self, group: dist.ProcessGroup | None,
+               device: torch.device | int | str | None) -> None:
+        """Before anything is loaded or allocated: raise on every rank if the buffer may not be
+        made (a collective where it checks anything). Nothing to check by default."""
+
+    def _map(self) -> None:
+        """Allocate and map the memory; set local, signal and (by _set_addresses) the addresses."""
+        raise NotImplementedError
+
+    def _set_addresses(self, allocs: list[int]) -> None:
+        """peer_allocs, peer_data, bases and local_base from every rank's allocation base (after
+        `signal_bytes` is set)."""
         self.peer_allocs = allocs
         self.peer_data = [a + self.signal_bytes for a in allocs]
         self.bases = torch.tensor(self.peer_data + allocs, dtype=torch.int64, device=self.device)
-        self.local_base = self._alloc + self.signal_bytes
-        self.local = ops.tensor_from_ptr(self.local_base, self.nbytes, dev)
-        self.signal = ops.tensor_from_ptr(self._alloc, self.signal_bytes, dev)
-        dist.barrier(group=group)
+        self.local_base = allocs[self.rank] + self.signal_bytes
 
     # -- addressing ---------------------------------------------------------------------------
     def offset_of(self, t: torch.Tensor) -> int:
@@ -156,14 +160,8 @@ class SymmetricBuffer:
 
     # -- lifetime -----------------------------------------------------------------------------
     def _release(self) -> None:
-        ops = torch.ops.tokenweave
-        dev = self.device.index
-        for ptr in self._opened:
-            ops.ipc_close_handle(ptr, dev)
-        self._opened = []
-        if self._alloc:
-            ops.ipc_free(self._alloc, dev)
-            self._alloc = 0
+        """Unmap the peers and free this rank's memory (no collective)."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Collective: wait until no rank uses the buffer, then unmap peers and free. Views of
@@ -175,12 +173,52 @@ class SymmetricBuffer:
         self._release()
         self._closed = True
 
-    def __enter__(self) -> SymmetricBuffer:
+    def __enter__(self) -> PeerBuffer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"SymmetricBuffer(rank={self.rank}, world={self.world}, device={self.device}, "
-                f"nbytes={self.nbytes})")
+        return (f"{type(self).__name__}(rank={self.rank}, world={self.world}, "
+                f"device={self.device}, nbytes={self.nbytes})")
+
+
+class SymmetricBuffer(PeerBuffer):
+    """A PeerBuffer on plain CUDA IPC: one cudaMalloc per rank (zeroed), its handle exchanged with
+    all_gather_object and opened on every peer. multicast_base stays None (never created here)."""
+
+    def _map(self) -> None:
+        ops = torch.ops.tokenweave
+        dev = self.device.index
+        self._alloc = int(ops.ipc_malloc(self.signal_bytes + self.nbytes, dev))
+        self._opened: list[int] = []
+        try:
+            ops.init_header(self._alloc, dev)
+            handle = bytes(ops.ipc_get_handle(self._alloc, dev).tolist())
+            handles: list[bytes | None] = [None] * self.world
+            dist.all_gather_object(handles, handle, group=self.group)
+            allocs = []
+            for p, h in enumerate(handles):
+                if p == self.rank:
+                    allocs.append(self._alloc)
+                else:
+                    ptr = int(ops.ipc_open_handle(torch.tensor(list(h), dtype=torch.uint8), dev))
+                    self._opened.append(ptr)
+                    allocs.append(ptr)
+        except Exception:
+            self._release()
+            raise
+        self._set_addresses(allocs)
+        self.local = ops.tensor_from_ptr(self.local_base, self.nbytes, dev)
+        self.signal = ops.tensor_from_ptr(self._alloc, self.signal_bytes, dev)
+
+    def _release(self) -> None:
+        ops = torch.ops.tokenweave
+        dev = self.device.index
+        for ptr in self._opened:
+            ops.ipc_close_handle(ptr, dev)
+        self._opened = []
+        if self._alloc:
+            ops.ipc_free(self._alloc, dev)
+            self._alloc = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -138,7 +139,7 @@ class FlaskTextServer:
         from megatron.core.inference.text_generation_server.text_generation_server import (
             MegatronServer,
         )
-        from werkzeug.serving import make_server
+        from werkzeug.serving import make_server, select_address_family
 
         app = MegatronServer(self.engine).app
         tokenizer = self.engine.controller.tokenizer
@@ -169,7 +170,13 @@ class FlaskTextServer:
                     self._in_flight -= 1
                     self._idle.notify_all()
 
-        return make_server(self.host, self.port, app, threaded=True)
+        # Bound here: werkzeug answers a port in use with sys.exit(1), hiding the reason.
+        listener = socket.create_server((self.host, self.port),
+                                        family=select_address_family(self.host, self.port))
+        try:
+            return make_server(self.host, self.port, app, threaded=True, fd=listener.fileno())
+        finally:
+            listener.close()  # the server holds its own duplicate
 
     @property
     def url(self) -> str:
@@ -274,14 +281,15 @@ def _guarded_openai_frontends(tokenizer: Any, limits: Limits) -> Iterator[None]:
 async def serve_openai(llm: Any, serve_config: Any) -> None:
     """Every rank: Megatron's OpenAI-style server (`llm` a MegatronAsyncLLM built with
     `dynamic_llm(serving=True)`; rank 0 hosts HTTP) with the request guard, until
-    `launch.stop_event()` is set or the engine stops; then shut it down."""
+    `launch.stop_event()` is set (then shut it down) or the engine's loop ends: normally when
+    rank 0 shut it down; if it failed (Megatron then exits the loop's thread), raise, so that the
+    launcher takes the job down."""
     stop = stop_event()
     with _guarded_openai_frontends(llm.engine.controller.tokenizer, dynamic_limits(llm)):
         await llm.serve(serve_config, blocking=False)
-    engine_done = asyncio.ensure_future(llm.wait_for_shutdown())
-    try:
-        while not stop.is_set() and not engine_done.done():
-            await asyncio.sleep(_STOP_POLL_S)
-    finally:
-        await llm.shutdown()
-        await engine_done
+    engine_loop = llm.engine.engine_loop_task  # on the engine's own loop and thread
+    while not stop.is_set() and not engine_loop.done():
+        await asyncio.sleep(_STOP_POLL_S)
+    if engine_loop.done() and (engine_loop.cancelled() or engine_loop.exception() is not None):
+        raise RuntimeError("Megatron's dynamic engine loop failed; see its traceback above")
+    await llm.shutdown()

@@ -102,15 +102,24 @@ def _case_tensors(buf, layout, n, hidden, dtype, world, rank, seed, weight_on, a
     return part, res_in, weight, residual_out, normed, residual
 
 
+# Communicator settings the tests compare, by name (every data path of the SM-driven kernels):
+# "default" takes the one-shot path for small replicated calls, the two-shot path for the other
+# replicated calls at TP >= 4, else the bulk-copy pipeline; the others force a path.
+SETTINGS = {
+    "default": {},
+    "barrier": {"oneshot": False},  # replicated: two-shot at TP >= 4, pull-all below
+    "pullall": {"oneshot": False, "twoshot": False},
+    "registers": {"bulk": False, "oneshot": False, "twoshot": False},
+}
+
+
 def _comms(kernels, buf, mirror) -> dict:
-    """One KernelComm per (bulk, oneshot) setting over the same buffer (the protocol state lives
-    in the buffer's signal pad; a handle only describes it), each with the copy-engine mirror."""
+    """One KernelComm per SETTINGS entry over the same buffer (the protocol state lives in the
+    buffer's signal pad; a handle only describes it), each with the copy-engine mirror."""
     comms = {}
-    for bulk, oneshot in itertools.product((True, False), repeat=2):
-        comm = kernels.KernelComm(buf, kernels.KernelSettings(bulk=bulk, oneshot=oneshot))
-        if mirror is not None:
-            comm.attach_mirror(mirror)
-        comms[bulk, oneshot] = comm
+    for name, kwargs in SETTINGS.items():
+        comms[name] = kernels.KernelComm(buf, kernels.KernelSettings(**kwargs))
+        comms[name].attach_mirror(mirror)
     return comms
 
 
@@ -177,8 +186,9 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
                         phased = ce and (seed // 24) % 2 == 0 and phases_apply(layout, w)
                         if phased and seed % 8 >= 6:
                             ctas = 128
-                        _call(comms[not regs, not no_oneshot],
-                              (part, res_in, w, EPS, res_out, normed, layout), ctas, ce, phased)
+                        name = "registers" if regs else "barrier" if no_oneshot else "default"
+                        _call(comms[name], (part, res_in, w, EPS, res_out, normed, layout), ctas,
+                              ce, phased)
                         what = (f"rank {rank} {dtype} {layout.value} H={hidden} tokens={tokens} "
                                 f"n={n} weight={weight_on} alias={alias} ctas={ctas} "
                                 f"regs={regs} no_oneshot={no_oneshot} copy_engine={ce} "
@@ -198,10 +208,10 @@ def _worker_two_gpus(rank: int, world: int, port: int) -> None:
     loops = ((Layout.SEQUENCE_PARALLEL, 256, None, False), (Layout.REPLICATED, 64, None, False),
              (Layout.SEQUENCE_PARALLEL, 256, mirror, False),
              (Layout.REPLICATED, 1000, mirror, False), (Layout.REPLICATED, 1000, mirror, True))
-    t_loops = [_consecutive_calls(buf, comms[True, True], group, rank, dev, layout, n,
+    t_loops = [_consecutive_calls(buf, comms["default"], group, rank, dev, layout, n,
                                   m is not None, phased)
                for layout, n, m, phased in loops]
-    _phased_in_flight(buf, comms[True, True], group, rank, dev)
+    _phased_in_flight(buf, comms["default"], group, rank, dev)
     buf.check_error()
     for comm in comms.values():
         comm.close()
@@ -322,13 +332,15 @@ def _phased_in_flight(buf, comm, group, rank, dev) -> None:
 
 
 def _timeout_check(group, rank, dev) -> None:
-    """Rank 0 calls, rank 1 does not: rank 0's kernel gives up, writes NaN into its output (not
-    the stale rows it held) and check_error names rank 1, on the barrier path (sequence
-    parallel), the one-shot path (replicated, few rows) and the copy-engine path; a later call
-    writes NaN at once (the error is sticky)."""
+    """Every rank but the last calls, the last does not: the callers' kernels give up, write NaN
+    into their output (not the stale rows it held) and check_error names the missing rank, on
+    the barrier path (sequence parallel), the one-shot path (replicated, few rows) and the
+    copy-engine path; a later call writes NaN at once (the error is sticky)."""
     from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.validate import Layout
 
+    world = dist.get_world_size(group)
+    missing = world - 1
     for layout, where, ce in ((Layout.SEQUENCE_PARALLEL, "START barrier", False),
                               (Layout.REPLICATED, "one-shot exchange", False),
                               (Layout.REPLICATED, "START barrier", True)):
@@ -337,19 +349,19 @@ def _timeout_check(group, rank, dev) -> None:
         if ce:
             comm.attach_mirror(kernels.CopyEngineMirror(buf, buf.nbytes))
         n, hidden, dtype = 4, 1024, torch.bfloat16
-        chunks = 2 if layout is Layout.SEQUENCE_PARALLEL else 1
+        chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
         part = buf.view(dtype, (chunks, n, hidden), 0)
         part.normal_()
         residual = torch.randn(n, hidden, dtype=dtype, device=dev)
         path = "copy_engine" if ce else "sm"
-        if rank == 0:
+        if rank != missing:
             for _ in range(2):
                 out = residual.clone()  # finite rows: what a silent failure would leave
                 comm.run(part, residual, None, EPS, out, None, layout, ctas=2, path=path)
                 torch.cuda.synchronize()
                 assert out.isnan().all(), f"{layout.value} ce={ce}: outputs not poisoned"
-                with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the "
-                                   f"{where} .*timeout 0.2 s"):
+                with pytest.raises(RuntimeError, match=f"peer rank {missing} never arrived at "
+                                   f"the {where} .*timeout 0.2 s"):
                     buf.check_error()
         else:
             buf.check_error()  # nothing recorded here
@@ -362,12 +374,14 @@ def _failure_surfaces_under_graphs(group, rank, dev) -> None:
     graph, replayed in step by both ranks; then rank 1 skips one replay. Rank 0's replay gives
     up, its outputs are NaN (not the previous replay's rows), and raise_if_failed (no sync,
     reading the words the graph copied) raises naming the peer, the slot and the timeout; the
-    next replay writes NaN at once. Each data path: one-shot, barrier (bulk), copy engine."""
+    next replay writes NaN at once. Each data path: one-shot, barrier (pull-all below TP 4,
+    two-shot from TP 4), copy engine. With more ranks, the last one skips and every other rank
+    checks."""
     from megatron_tokenweave.bench.timing import capture_graph
     from megatron_tokenweave.communicator import Communicator
     from megatron_tokenweave.ops.validate import Layout
 
-    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "0.5"
+    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "2"
     hidden, dtype = 4096, torch.bfloat16
     for rows, kind, where in ((8, "fused", "one-shot exchange"), (1100, "fused", "START barrier"),
                               (8, "copy_engine", "START barrier")):
@@ -395,12 +409,14 @@ def _failure_surfaces_under_graphs(group, rank, dev) -> None:
             comm.raise_if_failed()
             assert res_out.isfinite().all() and normed.isfinite().all(), what
         dist.barrier(group)
-        if rank == 0:
-            graph.replay()  # rank 1 skips this one
+        missing = dist.get_world_size(group) - 1
+        if rank != missing:
+            graph.replay()  # the missing rank skips this one
             torch.cuda.synchronize()
             assert res_out.isnan().all() and normed.isnan().all(), f"{what}: stale rows"
-            with pytest.raises(RuntimeError, match=f"peer rank 1 never arrived at the {where} "
-                               r"\(.*timeout 0.5 s\)"):
+            with pytest.raises(RuntimeError, match=f"peer rank {missing} never arrived at the "
+                               f"{where} "
+                               r"\(.*timeout 2.0 s\)"):
                 comm.raise_if_failed()
             res_out.zero_()
             graph.replay()  # sticky: NaN at once
@@ -412,10 +428,13 @@ def _failure_surfaces_under_graphs(group, rank, dev) -> None:
     os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
-# The one-GPU check's data paths: the default choice (one-shot for small replicated calls, else
-# the bulk-copy pipeline), the barrier bulk path, the register path, the copy-engine op whole and
-# as a transfer + a reduction (where phases apply; else whole).
-PATHS_ONE_GPU = ("default", "bulk", "registers", "copy_engine", "phased")
+# The one-GPU check's data paths: every SETTINGS entry on the SM-driven kernels, and the
+# copy-engine op whole and as a transfer + a reduction (where phases apply; else whole).
+PATHS_ONE_GPU = (*SETTINGS, "copy_engine", "phased")
+# Token counts (odd ones, fewer rows than ranks, past the one-shot buffer), each with a hidden
+# size: every count and every hidden size of the protocol check.
+CASES_ONE_GPU = ((1, 4096), (3, 5120), (7, 8192), (127, 4096), (1000, 5120), (2049, 8192))
+LOOP_CALLS = 10000
 
 
 def _misaligned_raise(comm) -> None:
@@ -439,63 +458,131 @@ def _misaligned_raise(comm) -> None:
                          ctas=4, path=path, validate=False)
 
 
-def _worker_one_gpu(rank: int, world: int, port: int) -> None:
-    """Two processes on GPU 0 (gloo + CUDA IPC): protocol check against local expectations, on
-    every data path (bulk copies, registers, copy engines whole and as a transfer + reduction)
-    in bf16 and fp16 (PATHS_ONE_GPU)."""
-    from megatron_tokenweave import kernels
+def _expected(world, rank, layout, n, hidden, dtype, seed, dev):
+    """(y of this rank's rows, every chunk's y) in fp32, from every rank's deterministic inputs
+    (_case_tensors' seeds)."""
+    from megatron_tokenweave.ops.validate import Layout
+
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    chunks = world if sp else 1
+    parts = [_gen(seed * 16 + p, (chunks, n, hidden), dtype, dev).float() for p in range(world)]
+    res_all = [_gen(seed * 16 + 8 + (c if sp else 0), (n, hidden), dtype, dev).float()
+               for c in range(chunks)]
+    y_all = [sum(pp[c] for pp in parts) + res_all[c] for c in range(chunks)]
+    return y_all[rank if sp else 0], y_all
+
+
+def _check(res_out, normed, y, y_all, w, dtype, what) -> None:
     from megatron_tokenweave.ops.reference import rms_norm_fp32
+
+    torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
+    if w is not None:
+        for c, yc in enumerate(y_all):
+            exp = rms_norm_fp32(yc, w, EPS).to(dtype)
+            torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
+
+
+def _alternating_calls(comms, buf, world, rank, dev) -> float:
+    """LOOP_CALLS replicated calls alternating two token counts in two regions of the buffer
+    (127 rows at offset 0, 1000 rows further on: at TP >= 4 the first is one-shot below 8 ranks'
+    8 MiB, the second two-shot), a CUDA graph of a third count (7 rows, its own region) replayed
+    between them every 10 calls; every output checked against its expectation at the end (max
+    error accumulated on the device, no sync in the loop). Returns the loop's seconds."""
+    from megatron_tokenweave.bench.timing import capture_graph
+    from megatron_tokenweave.ops.reference import rms_norm_fp32
+    from megatron_tokenweave.ops.validate import Layout
+
+    dtype, hidden, layout = torch.bfloat16, 4096, Layout.REPLICATED
+    region = 16 << 20  # bytes between the three cases' partial rows
+    sets = []
+    for k, n in enumerate((127, 1000, 7)):
+        seed = 3000 + k
+        part = buf.view(dtype, (1, n, hidden), k * region)
+        src = _gen(seed * 16 + rank, (1, n, hidden), dtype, dev)
+        residual = _gen(seed * 16 + 8, (n, hidden), dtype, dev)
+        w = (1.0 + 0.1 * _gen(seed * 16 + 15, (hidden,), dtype, dev)).to(dtype)
+        y, y_all = _expected(world, rank, layout, n, hidden, dtype, seed, dev)
+        res_out = torch.empty(n, hidden, dtype=dtype, device=dev)
+        normed = torch.empty(1, n, hidden, dtype=dtype, device=dev)
+        want = (y.to(dtype).float(), rms_norm_fp32(y_all[0], w, EPS).to(dtype).float())
+        sets.append((part, src, residual, w, res_out, normed, want))
+    err = torch.zeros((), dtype=torch.float32, device=dev)
+    comm = comms["default"]
+
+    def step(k):
+        part, src, residual, w, res_out, normed, want = sets[k]
+        part.copy_(src)  # the two-shot path leaves y in the partial rows
+        res_out.fill_(float("nan"))
+        normed.fill_(float("nan"))
+        comm.run(part, residual, w, EPS, res_out, normed, layout, ctas=8, validate=False)
+        err.copy_(torch.maximum(err, (res_out.float() - want[0]).abs().max()))
+        err.copy_(torch.maximum(err, (normed[0].float() - want[1]).abs().max()))
+
+    graph = capture_graph(lambda: step(2))
+    err.zero_()
+    t0 = time.time()
+    for i in range(LOOP_CALLS):
+        step(i % 2)
+        if i % 10 == 9:
+            graph.replay()
+    torch.cuda.synchronize()
+    assert err.isfinite().item() and err.item() < 0.1, f"rank {rank}: loop max err {err}"
+    del graph
+    return time.time() - t0
+
+
+def _worker_one_gpu(rank: int, world: int, port: int) -> None:
+    """`world` processes on GPU 0 (gloo + CUDA IPC): protocol check against local expectations,
+    on every data path (PATHS_ONE_GPU), both layouts, CASES_ONE_GPU, with and without a norm,
+    bf16 and fp16, outputs poisoned before every call; LOOP_CALLS alternating calls with graph
+    replays between them; misaligned input; the timeout path, eagerly and under graph replay."""
+    from megatron_tokenweave import kernels
     from megatron_tokenweave.ops.validate import Layout, phases_apply
 
     group = _init(rank, world, port, "gloo", 0)
     dev = torch.device("cuda", 0)
-    buf = kernels.SymmetricBuffer(group, 64 << 20, dev)
+    buf = kernels.SymmetricBuffer(group, 96 << 20, dev, timeout_s=30)
     mirror = kernels.CopyEngineMirror(buf, buf.nbytes)
     comms = _comms(kernels, buf, mirror)
-    seed = 500
-    nphased = 0
+    seed, nphased, t0 = 500, 0, time.time()
+    paths_taken = set()
     for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
-        for tokens, hidden in ((1, 4096), (3, 5120), (127, 8192), (1000, 4096)):
+        for tokens, hidden in CASES_ONE_GPU:
             for weight_on in (True, False):
                 for path, dtype in itertools.product(PATHS_ONE_GPU,
                                                      (torch.bfloat16, torch.float16)):
                     seed += 1
-                    sp = layout is Layout.SEQUENCE_PARALLEL
-                    n = _rows(tokens, world, sp)
+                    n = _rows(tokens, world, layout is Layout.SEQUENCE_PARALLEL)
                     part, res_in, w, res_out, normed, residual = _case_tensors(
                         buf, layout, n, hidden, dtype, world, rank, seed, weight_on, False)
-                    # Expected, from every rank's deterministic inputs.
-                    chunks = world if sp else 1
-                    parts = [_gen(seed * 16 + p, (chunks, n, hidden), dtype, dev).float()
-                             for p in range(world)]
-                    mine = rank if sp else 0
-                    y_all = [sum(pp[c] for pp in parts) for c in range(chunks)]
-                    res_all = [_gen(seed * 16 + 8 + (c if sp else 0), (n, hidden), dtype,
-                                    dev).float() for c in range(chunks)]
-                    y = y_all[mine] + res_all[mine]
+                    y, y_all = _expected(world, rank, layout, n, hidden, dtype, seed, dev)
                     ce = path in ("copy_engine", "phased")
                     phased = path == "phased" and phases_apply(layout, w)
-                    comm = comms[path != "registers", path == "default"]
+                    comm = comms["default" if ce else path]
+                    oneshot = comm.settings.oneshot and kernels.oneshot_applies(
+                        layout, world, n, hidden, 2)
+                    if (not ce and layout is Layout.REPLICATED and comm.settings.twoshot
+                            and world >= kernels.TWOSHOT_MIN_WORLD and not oneshot):
+                        paths_taken.add("twoshot")
                     _call(comm, (part, res_in, w, EPS, res_out, normed, layout), 4, ce, phased)
-                    what = (f"1-GPU rank {rank} {dtype} {layout.value} tokens={tokens} "
-                            f"H={hidden} w={weight_on} path={path} phased={phased}")
-                    torch.testing.assert_close(res_out, y.to(dtype), **_tol(dtype), msg=what)
-                    if weight_on:
-                        for c in range(chunks):
-                            exp = rms_norm_fp32(y_all[c] + res_all[c], w, EPS).to(dtype)
-                            torch.testing.assert_close(normed[c], exp, **_tol(dtype), msg=what)
+                    _check(res_out, normed, y, y_all, w, dtype,
+                           f"{world}-rank 1-GPU rank {rank} {dtype} {layout.value} "
+                           f"tokens={tokens} H={hidden} w={weight_on} path={path} "
+                           f"phased={phased}")
                     nphased += phased
     assert nphased >= 8, nphased
-    _misaligned_raise(comms[True, True])
-    for _ in range(50):
-        comms[True, True].run(part, res_in, w, EPS, res_out, normed, layout, ctas=4)
+    assert world < kernels.TWOSHOT_MIN_WORLD or "twoshot" in paths_taken
+    t_cases = time.time() - t0
+    t_loop = _alternating_calls(comms, buf, world, rank, dev)
+    _misaligned_raise(comms["default"])
     buf.check_error()
     for comm in comms.values():
         comm.close()
     buf.close()
     _timeout_check(group, rank, dev)
     _failure_surfaces_under_graphs(group, rank, dev)
-    print(f"[rank {rank}] one-GPU protocol OK", flush=True)
+    print(f"[rank {rank}/{world}] one-GPU protocol OK: cases {t_cases:.1f}s, {LOOP_CALLS} "
+          f"calls {t_loop:.1f}s", flush=True)
     dist.destroy_process_group()
 
 
@@ -506,6 +593,9 @@ def test_kernel_two_gpus():
     mp.spawn(_worker_two_gpus, args=(2, free_port()), nprocs=2, join=True)
 
 
-def test_kernel_protocol_one_gpu():
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_kernel_protocol_one_gpu(world):
+    """TP 2, 4 and 8 as processes sharing GPU 0: functional only (time-sliced ranks), never a
+    performance figure."""
     _kernels_or_skip()
-    mp.spawn(_worker_one_gpu, args=(2, free_port()), nprocs=2, join=True)
+    mp.spawn(_worker_one_gpu, args=(world, free_port()), nprocs=world, join=True)

@@ -1,5 +1,6 @@
 """The woven layer on GPUs (TP=2, NCCL): logits vs the stock spec in bf16, kernel vs reference
-backend, and a CUDA-graph capture of a woven block. Skipped without 2 GPUs."""
+backend, and a CUDA-graph capture of a woven block (skipped without 2 GPUs); and the replicated
+layout at TP 2 and 4 with the ranks sharing one GPU (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.ops.validate import COMMS
 
-pytestmark = pytest.mark.skipif(
+two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)"
 )
 
@@ -90,13 +91,14 @@ def _count_fused_calls() -> list[str]:
     return calls
 
 
-def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
+def _parity(rank: int, world: int, te: bool = False,
+            layouts: tuple[bool, ...] = (False, True)) -> list[tuple]:
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
     calls = _count_fused_calls()
     results = []
-    for sp in (False, True):
+    for sp in layouts:
         mechanisms = [("kernel", "fused"), ("kernel", "copy_engine"), ("kernel", "collectives")]
         if not te:
             mechanisms.append(("reference", "fused"))
@@ -128,10 +130,27 @@ def _parity(rank: int, world: int, te: bool = False) -> list[tuple]:
     return results
 
 
+@two_gpus
 def test_logits_match_stock_spec_bf16():
     """Within bf16 rounding: the tokenweave model's error against an fp32 run of the same weights
     is no larger than the stock bf16 model's own (plus a small slack)."""
     _check_parity(spawn(_parity, 2)[0], "local")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("world", [2, 4])
+def test_logits_match_stock_spec_ranks_sharing_one_gpu(world):
+    """TP 2 and 4 as processes sharing GPU 0 (gloo groups + the CUDA-IPC buffer; functional only):
+    the replicated layout, every mechanism, split forced and by policy, against the stock local
+    spec. The sequence-parallel layout does not run this way: Megatron's sequence-parallel
+    layers all-gather and reduce-scatter CUDA tensors, which gloo does not implement (it has
+    all-reduce and broadcast for CUDA tensors), and NCCL refuses two ranks on one GPU."""
+    from megatron_tokenweave.kernels import is_available
+
+    if not is_available():
+        pytest.skip("the CUDA extension is not available")
+    _check_parity(spawn(_parity, world, False, (False,), backend="gloo")[0],
+                  f"local, {world} ranks on one GPU")
 
 
 def _check_parity(results: list[tuple], stock: str) -> None:
@@ -152,6 +171,7 @@ def _check_parity(results: list[tuple], stock: str) -> None:
     print(f"max error vs fp32 ({stock}): stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
 
 
+@two_gpus
 def test_logits_match_te_spec_bf16():
     """The same against Megatron's TE spec (TE GEMMs, TE attention, TENorm) and the TokenWeave
     TE flavour, both layouts, split forced and by policy."""
@@ -198,6 +218,7 @@ def _families(rank: int, world: int) -> list[tuple]:
     return results
 
 
+@two_gpus
 def test_model_families_match_stock_bf16():
     results = spawn(_families, 2)[0]
     assert {r[0] for r in results} >= {"qwen", "mixtral", "mixtral_padded"}
@@ -254,6 +275,7 @@ def _graph(rank: int, world: int) -> tuple[list[float], list[int]]:
     return errors, woven
 
 
+@two_gpus
 def test_cuda_graph_replay_matches_eager():
     errors, woven = spawn(_graph, 2)[0]
     # per case: 8 rows (below the threshold: 3 layers x 2 ops), 1024 rows (split: x 2 halves)
@@ -312,6 +334,7 @@ def _capture_after_warmup(rank: int, world: int, cache: str) -> tuple[float, set
     return error, eager_comms, captured_comms
 
 
+@two_gpus
 def test_capture_after_eager_warmup_with_a_copy_engine_graph_table(tmp_path):
     for error, eager_comms, captured_comms in spawn(_capture_after_warmup, 2, str(tmp_path)):
         assert (eager_comms, captured_comms) == ({"fused"}, {"copy_engine"})  # each mode's table

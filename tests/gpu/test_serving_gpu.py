@@ -2,7 +2,8 @@
 kernel): greedy generations equal the stock spec's (TE spec when TE imports, else local) through
 the static engine, the static engine with Megatron's per-layer CUDA graphs
 (cuda_graph_impl="local"), the Flask server's HTTP API and, where flash-attn is installed, the
-dynamic engine (MegatronLLM). Skipped without 2 GPUs.
+dynamic engine (MegatronLLM) and a soak of Megatron's OpenAI-style server. Skipped without 2
+GPUs.
 
 Random weights give near-tied logits, where bf16 rounding alone flips greedy choices; the model
 here first memorizes a short text (a few seconds of training with the stock spec), so its greedy
@@ -11,14 +12,28 @@ continuations are confident, as a trained model's are.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import time
+import urllib.error
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from _serving import check_server_answers, serve_and_query  # noqa: E402
+from _serving import (  # noqa: E402
+    SOAK_REQUESTS,
+    SOAK_S,
+    ServerProcess,
+    Soak,
+    arm_engine_fault,
+    check_bad_answer,
+    check_server_answers,
+    http,
+    serve_and_query,
+)
 
 from megatron_tokenweave.launch import free_port, spawn  # noqa: E402
 
@@ -100,6 +115,8 @@ def _static(rank: int, world: int, ports: list[int], cuda_graphs: bool) -> dict:
     stock, woven, loss = _models(world, **overrides)
     out: dict = {"loss": loss}
     for i, (name, model) in enumerate((("stock", stock), ("tokenweave", woven))):
+        if ports:  # the HTTP session sends a request that fails inside the engine
+            arm_engine_fault(model)
         engine = static_engine(model, ByteTokenizer(), MAX_BATCH, MAX_SEQ)
         requests = engine.generate(prompts=PROMPTS, sampling_params=greedy(NEW_TOKENS))
         out[name] = dict(tokens=generated_tokens(requests))
@@ -191,81 +208,157 @@ def test_dynamic_engine_with_cuda_graphs_matches_stock(scope):
             "Megatron captured no inference CUDA graphs")
 
 
-def _openai(rank: int, world: int, ports: list[int]) -> dict:
-    """Megatron's OpenAI-style server (MegatronAsyncLLM.serve, coordinator mode) per model."""
-    import asyncio
-    import json
-    import time
-    import urllib.error
+def _openai_request(body: dict) -> tuple[str, str, bytes]:
+    return "POST", "/v1/completions", json.dumps(body).encode()
 
-    from _serving import http
+
+# Greedy requests of every prompt form the endpoint takes; the stock server's replies are the
+# reference for each.
+OPENAI_VALID = [
+    _openai_request({"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}),
+    _openai_request({"prompt": PROMPTS[1:3], "max_tokens": 16, "temperature": 0}),
+    _openai_request({"prompt": list(PROMPTS[3].encode()), "max_tokens": 12, "temperature": 0}),
+    _openai_request({"prompt": [list(PROMPTS[0].encode())], "max_tokens": 8, "temperature": 0,
+                     "logprobs": 2}),
+    _openai_request({"prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "stop": "."}),
+    _openai_request({"prompt": PROMPTS[3], "max_tokens": 10, "top_k": 1, "top_p": 0}),
+]
+# What the guard refuses (the field its JSON error names): several would stop Megatron's engine
+# loop for good (top_k with the default top_p, logprobs with echo), others be silently altered.
+OPENAI_BAD = [
+    (_openai_request({"prompt": "Hello", "max_tokens": 4, "top_k": 1}), "top_k"),
+    (_openai_request({"prompt": "Hello", "top_k": 256, "top_p": 0}), "top_k"),
+    (_openai_request({"prompt": "Hello", "temperature": -1}), "temperature"),
+    (_openai_request({"prompt": "x", "logprobs": 2, "echo": True}), "logprobs"),
+    (_openai_request({"prompt": ""}), "prompt"),
+    (_openai_request({"prompt": []}), "prompt"),
+    (_openai_request({"prompt": 5}), "prompt"),
+    (_openai_request({"prompt": [1, 300]}), "prompt"),
+    (_openai_request({"prompt": "x" * (MAX_SEQ + 1), "max_tokens": 8}), "prompt"),
+    (_openai_request({"prompt": "x", "max_tokens": MAX_SEQ}), "prompt"),
+    (_openai_request({"prompt": ["x"] * (MAX_BATCH + 1)}), "prompt"),
+    (_openai_request({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+    (_openai_request({"prompt": "x", "n": 2}), "n"),
+    (_openai_request({"prompt": "x", "stream": True}), "stream"),
+    (_openai_request({"prompt": "x", "seed": 1}), "seed"),
+    (("POST", "/v1/completions", b"{not json"), None),
+]
+
+
+def _wait_healthy(url: str, timeout: float = 120.0) -> None:
+    """Until Megatron's HTTP frontend (its own processes) answers /health."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            http(url + "/health", "GET", None)
+            return
+        except (urllib.error.URLError, ConnectionError):
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _reference(url: str) -> list:
+    _wait_healthy(url)
+    return [http(url + path, method, body) for method, path, body in OPENAI_VALID]
+
+
+def _soak(url: str) -> dict:
+    _wait_healthy(url)
+    start = time.monotonic()
+    replies = Soak(url, OPENAI_VALID, OPENAI_BAD, SOAK_S, SOAK_REQUESTS - len(OPENAI_VALID)).run()
+    final = [http(url + path, method, body) for method, path, body in OPENAI_VALID]
+    return dict(replies=replies, final=final, served_s=time.monotonic() - start)
+
+
+def _openai_soak(rank: int, world: int, ports: list[int]) -> dict:
+    """Megatron's OpenAI-style server (serve_openai: the guard, a stop on SIGTERM) over the
+    dynamic engine: the stock model's replies to OPENAI_VALID, then a soak of the TokenWeave
+    model's server; rank 0 ends each with SIGTERM to itself, as the launcher relays one."""
+    import asyncio
+
     from megatron.core.inference.apis import ServeConfig
 
-    from megatron_tokenweave.launch import initialize_model_parallel
+    from megatron_tokenweave.launch import initialize_model_parallel, stop_event
     from megatron_tokenweave.serving.engines import dynamic_config_overrides, dynamic_llm
+    from megatron_tokenweave.serving.http import serve_openai
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
     stock, woven, loss = _models(world, **dynamic_config_overrides())
 
-    def query(url: str) -> dict:
-        deadline = time.time() + 120
-        while True:  # the HTTP frontend starts in its own processes
-            try:
-                http(url + "/health", "GET", None)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.time() > deadline:
-                    raise
-                time.sleep(1)
-        good = json.dumps(dict(prompt=PROMPTS, max_tokens=NEW_TOKENS, temperature=0)).encode()
-        bad = [b"{not json", json.dumps(dict(prompt=[])).encode(),
-               json.dumps(dict(prompt="x" * (MAX_SEQ + 1), max_tokens=8)).encode()]
-        return dict(good=http(url + "/v1/completions", "POST", good),
-                    bad=[http(url + "/v1/completions", "POST", b) for b in bad],
-                    again=http(url + "/v1/completions", "POST", good))
-
-    async def session(model, port: int):
+    async def session(model, port: int, drive):
         llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
                           chunk_tokens=64, buffer_size_gb=1.0, serving=True)
-        await llm.serve(ServeConfig(host="127.0.0.1", port=port, frontend_replicas=1),
-                        blocking=False)
+        config = ServeConfig(host="127.0.0.1", port=port, frontend_replicas=1)
+        server = asyncio.ensure_future(serve_openai(llm, config))
         answers = None
         if rank == 0:
-            answers = await asyncio.to_thread(query, f"http://127.0.0.1:{port}")
-        await llm.shutdown()
+            answers = await asyncio.to_thread(drive, f"http://127.0.0.1:{port}")
+            os.kill(os.getpid(), signal.SIGTERM)
+        await server
         return answers
 
-    out: dict = {"loss": loss}
-    for i, (name, model) in enumerate((("stock", stock), ("tokenweave", woven))):
-        out[name] = asyncio.run(session(model, ports[i]))
+    out: dict = {"loss": loss, "stock": asyncio.run(session(stock, ports[0], _reference))}
+    stop_event().clear()
+    out["tokenweave"] = asyncio.run(session(woven, ports[1], _soak))
     return out
 
 
-def test_openai_server_matches_stock():
-    """POST /v1/completions (greedy) on Megatron's dynamic OpenAI-style server: the same
-    completions from the TokenWeave model as from the stock one; malformed requests get a 4xx
-    and the server keeps answering."""
+def _completions(answer: tuple[int, dict]) -> list[tuple[str, list[int]]]:
+    """Text and token ids of each choice (the replies also carry ids, timestamps, log-probs)."""
+    assert answer[0] == 200, answer
+    return [(c["text"], c.get("generation_token_ids")) for c in answer[1]["choices"]]
+
+
+def test_openai_server_soak_matches_stock():
+    """A soak of POST /v1/completions on Megatron's dynamic OpenAI-style server with the
+    guard: concurrent clients, valid and bad requests paced over SOAK_S seconds. Every valid
+    reply equals the stock model's server's, every bad request gets 400 with a JSON error naming
+    the field, the server still answers at the end, and SIGTERM ends both servers cleanly (the
+    job returns)."""
     from megatron_tokenweave.serving.engines import dynamic_engine_problem
 
     if (problem := dynamic_engine_problem()) is not None:
         pytest.skip(problem)
     for module in ("quart", "hypercorn", "zmq", "msgpack"):
         pytest.importorskip(module)
-    result = spawn(_openai, 2, [free_port(), free_port()])[0]
-    stock, woven = result["stock"], result["tokenweave"]
-    def completions(answer: tuple[int, dict]) -> list[tuple[str, list[int]]]:
-        """Text and token ids of each choice (the replies also carry ids and timestamps)."""
-        return [(c["text"], c.get("generation_token_ids")) for c in answer[1]["choices"]]
+    result = spawn(_openai_soak, 2, [free_port(), free_port()])[0]
+    expected = [_completions(answer) for answer in result["stock"]]
+    text, _ = expected[0][0]  # the stock model continues the memorized text
+    start = TEXT.index(PROMPTS[0]) + len(PROMPTS[0])
+    assert text and text == TEXT[start : start + len(text)], (text, result["loss"])
+    soak = result["tokenweave"]
+    kinds = {kind: [r for r in soak["replies"] if r.kind == kind] for kind in ("valid", "bad")}
+    assert len(soak["replies"]) == SOAK_REQUESTS - len(OPENAI_VALID) and all(kinds.values())
+    for reply in kinds["valid"]:
+        assert _completions((reply.status, reply.reply)) == expected[reply.index], reply
+    for reply in kinds["bad"]:
+        check_bad_answer(OPENAI_BAD[reply.index], (reply.status, reply.reply))
+    assert soak["served_s"] >= SOAK_S
+    assert [_completions(answer) for answer in soak["final"]] == expected
 
-    for answers in (stock, woven):
-        assert answers["good"][0] == 200, answers["good"]
-        assert answers["again"][0] == 200, answers["again"]
-        assert completions(answers["again"]) == completions(answers["good"])
-        for status, reply in answers["bad"]:
-            assert 400 <= status < 500, (status, reply)
-    texts = [c["text"] for c in woven["good"][1]["choices"]]
-    assert completions(woven["good"]) == completions(stock["good"])
-    for prompt, text in zip(PROMPTS, texts, strict=True):
-        start = TEXT.index(prompt) + len(prompt)
-        assert text == TEXT[start : start + len(text)] and text, (prompt, text)
+
+def test_openai_example_server_stops_on_sigterm(tmp_path):
+    """examples/serve.py --server openai: answers, then SIGTERM to its launcher leaves no rank
+    and a free port within 5 s, exit status 0 and one line."""
+    from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+    if (problem := dynamic_engine_problem()) is not None:
+        pytest.skip(problem)
+    for module in ("quart", "hypercorn", "zmq", "msgpack"):
+        pytest.importorskip(module)
+    server = ServerProcess(free_port(), str(tmp_path), "--server", "openai", "--max-batch", "4",
+                           "--max-seq", "256", "--kv-gb", "1")
+    try:
+        server.wait_ready()
+        _wait_healthy(server.url)
+        status, reply = http(server.url + "/v1/completions", "POST",
+                             json.dumps({"prompt": "Hello", "max_tokens": 4}).encode())
+        assert status == 200 and reply["choices"], reply
+        elapsed, out, err = server.stop(signal.SIGTERM, 5.0)
+    finally:
+        server.kill()
+    assert elapsed < 5.0 and server.proc.returncode == 0, (elapsed, err[-2000:])
+    assert out.splitlines() == ["serve.py: stopped by SIGTERM; all 2 ranks exited"], out
+    assert "Traceback" not in err, err[-2000:]

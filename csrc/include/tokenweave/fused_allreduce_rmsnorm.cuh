@@ -81,9 +81,8 @@ __device__ __forceinline__ void store_normed(const FusedParams& p, char* const (
 // peer never arrived) writes NaN into every output it was to write, so a consumer reads NaN, never
 // stale rows, until the host raises the recorded error. The CTAs of the launch (any grid) split
 // the rows by index; each writes residual_out and this rank's own copy of normed_out (every chunk
-// under sequence parallelism). `nan2`: two 16-bit quiet NaNs of the output dtype. Not inlined:
-// the failure path must not cost the data paths registers.
-inline __device__ __noinline__ void poison_outputs(const FusedParams& p, uint32_t nan2) {
+// under sequence parallelism). `nan2`: two 16-bit quiet NaNs of the output dtype.
+__device__ __forceinline__ void poison_outputs(const FusedParams& p, uint32_t nan2) {
   const Vec16 nan = {{nan2, nan2, nan2, nan2}};
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(hv) * kVecBytes;
@@ -120,6 +119,26 @@ __device__ __forceinline__ uint32_t launch_epoch(const FusedParams& p, int b) {
   return *reinterpret_cast<volatile uint32_t*>(&self->error[0]) == kOk ? 1u : 0u;
 }
 
+// The ranks' data-region bases as this launch addresses them (nullptr past the group).
+template <int kNp>
+__device__ __forceinline__ void peer_data(const FusedParams& p, char* (&data)[kNp]) {
+#pragma unroll
+  for (int q = 0; q < kNp; ++q)
+    data[q] = q < p.world ? reinterpret_cast<char*>(p.bases[q]) : nullptr;
+}
+
+// Every CTA's start: thread 0 clears the CTA's barrier failure flag and takes the launch's epoch
+// (launch_epoch); every thread gets the epoch (0: an earlier launch failed).
+__device__ __forceinline__ uint32_t begin_cta(const FusedParams& p, uint32_t* s_epoch,
+                                              int* s_fail) {
+  if (threadIdx.x == 0) {
+    *s_fail = 0;
+    *s_epoch = launch_epoch(p, blockIdx.x);
+  }
+  __syncthreads();
+  return *s_epoch;
+}
+
 // Register path: rows per CTA iteration. Keeps np*vpt*rows vector loads (4 regs each) and
 // vpt*rows*8 fp32 values of y (vpt*rows <= 4) within the register budget of 512 threads/CTA.
 // Also the host's grid size (ops.cu).
@@ -142,15 +161,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int world = p.world;
   const int64_t* pad_bases = p.bases + p.world;
   char* data[kNp];
-#pragma unroll
-  for (int q = 0; q < kNp; ++q) data[q] = q < world ? reinterpret_cast<char*>(p.bases[q]) : nullptr;
-
-  if (tid == 0) {
-    s_fail = 0;
-    s_epoch = launch_epoch(p, b);
-  }
-  __syncthreads();
-  const uint32_t e = s_epoch;
+  peer_data(p, data);
+  const uint32_t e = begin_cta(p, &s_epoch, &s_fail);
   if (e == 0) {  // an earlier launch timed out: NaN until the host raises the error
     poison_outputs(p, nan_pair<T>());
     return;
@@ -254,8 +266,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int world = p.world;
   const int64_t* pad_bases = p.bases + p.world;
   char* data[kNp];
-#pragma unroll
-  for (int q = 0; q < kNp; ++q) data[q] = q < world ? reinterpret_cast<char*>(p.bases[q]) : nullptr;
+  peer_data(p, data);
 
   if (tid == 0) {
     s_fail = 0;

@@ -19,6 +19,17 @@ __device__ __forceinline__ void load_weight(const void* weight, int hv, Vec16 (&
   }
 }
 
+// f(v, col) for each of this thread's kVpt vector columns of a row (col = tid + v * blockDim.x,
+// those inside the row's hv vectors).
+template <int kVpt, typename F>
+__device__ __forceinline__ void for_each_vec(int hv, F&& f) {
+#pragma unroll
+  for (int v = 0; v < kVpt; ++v) {
+    const int col = threadIdx.x + v * blockDim.x;
+    if (col < hv) f(v, col);
+  }
+}
+
 // ss += y[0]^2 + ... + y[7]^2, accumulated in that order.
 __device__ __forceinline__ void add_squares(float& ss, const float (&y)[8]) {
 #pragma unroll

@@ -1,0 +1,116 @@
+// Two-shot fused all-reduce + residual add + RMSNorm for the replicated layout at TP >= 4: each
+// rank reduces only the rows it owns and writes them back to every peer, so 2(P-1)/P of the
+// partial crosses NVLink per rank instead of the pull-all path's P-1.
+//
+// Protocol (also in docs/kernel.md)
+// ---------------------------------
+// Rows are split into P chunks of ceil(rows / P); rank r owns chunk r. A launch uses G CTAs (the
+// same G on every rank); CTA b of every rank handles rows first_c + b, first_c + b + G, ... of
+// every chunk c, so per-CTA barriers (signal.cuh) order everything:
+//   1. START barrier (slot b): every peer's partial rows are written and its previous op is over;
+//   2. reduce-scatter, in place: for each of my chunk's rows of CTA b, load the row from every
+//      rank's partial (16-byte vectors, fp32 accumulation in rank order), add the residual, round
+//      y once to T and store it into the same row of every rank's partial (mine included). Only
+//      the owner ever reads or writes a row of its chunk, on any rank, so no other CTA races it;
+//   3. END barrier (slot b): every owner's CTA b has written its rows of every chunk into my
+//      partial, and has finished reading mine;
+//   4. all rows of CTA b, every chunk, from my own partial (now y): copy to residual_out, reduce
+//      the sum of squares over the CTA, normalize, store normed_out locally.
+// Every rank normalizes the same rounded y, so the replicated outputs are bit-identical across
+// ranks. The partial buffer holds y afterwards (it is the communicator's scratch). A residual_out
+// that aliases residual is safe: CTA b reads the residual only of the rows it writes itself.
+// No reuse too early and no deadlock, as on the barrier path (signal.cuh): a peer writes into my
+// partial only after START of the same op, which needs my arrival, issued after my previous op
+// finished (stream order). Bounded: a failed barrier, or an earlier error, writes NaN into the
+// CTA's outputs (poison_outputs) and returns.
+#pragma once
+
+#include "tokenweave/common.cuh"
+#include "tokenweave/fused_allreduce_rmsnorm.cuh"
+#include "tokenweave/rmsnorm_row.cuh"
+#include "tokenweave/signal.cuh"
+
+namespace tokenweave {
+
+// The communicator takes the two-shot path for replicated calls from this TP size on (smaller
+// groups pull every row: the same total bytes at P = 2, one barrier pair, no second pass).
+constexpr int kTwoShotMinWorld = 4;
+
+template <typename T, int kNp, int kVpt>
+__global__ void __launch_bounds__(kMaxThreads)
+    fused_allreduce_rmsnorm_twoshot_kernel(const FusedParams p) {
+  __shared__ uint32_t s_epoch;
+  __shared__ int s_fail;
+  const int64_t* pads = p.bases + p.world;
+  char* data[kNp];
+  peer_data(p, data);
+  const uint32_t e = begin_cta(p, &s_epoch, &s_fail);
+  if (e == 0 || !cta_barrier<false>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
+  const int hv = p.hidden / kVecElems;
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const int chunk_rows = (p.rows + p.world - 1) / p.world;
+
+  // 2. my chunk: reduce, add the residual, write y back to every rank's partial.
+  const int mine_end = min(p.rows, (p.rank + 1) * chunk_rows);
+  for (int row = p.rank * chunk_rows + blockIdx.x; row < mine_end; row += gridDim.x) {
+    for_each_vec<kVpt>(hv, [&](int, int col) {
+      const int64_t off = p.partial_off + row * row_bytes + static_cast<int64_t>(col) * kVecBytes;
+      Vec16 in[kNp];
+#pragma unroll
+      for (int q = 0; q < kNp; ++q)
+        if (q < p.world) in[q] = *reinterpret_cast<const Vec16*>(data[q] + off);
+      float y[8];
+      set_vec<T>(y, in[0]);
+#pragma unroll
+      for (int q = 1; q < kNp; ++q)
+        if (q < p.world) add_vec<T>(y, in[q]);
+      add_vec<T>(y, reinterpret_cast<const Vec16*>(static_cast<const char*>(p.residual) +
+                                                   row * row_bytes)[col]);
+      const Vec16 out = pack_vec<T>(y);
+#pragma unroll
+      for (int q = 0; q < kNp; ++q)
+        if (q < p.world) *reinterpret_cast<Vec16*>(data[q] + off) = out;
+    });
+  }
+
+  // 3. every owner's rows of this CTA are in my partial.
+  if (!cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
+
+  // 4. all rows of this CTA: residual_out and the norm, locally.
+  __shared__ float s_red[2][kMaxThreads / 32];
+  Vec16 w[kVpt];
+  load_weight(p.weight, hv, w);
+  const char* own = data[p.rank] + p.partial_off;
+  char* res_out = static_cast<char*>(p.residual_out);
+  char* normed = static_cast<char*>(p.normed_local);
+  int parity = 0;
+  for (int c = 0; c < p.world; ++c) {
+    const int end = min(p.rows, (c + 1) * chunk_rows);
+    for (int row = c * chunk_rows + blockIdx.x; row < end; row += gridDim.x, parity ^= 1) {
+      const int64_t roff = row * row_bytes;
+      float y[kVpt][8];
+      float ss = 0.f;
+      for_each_vec<kVpt>(hv, [&](int v, int col) {
+        const Vec16 yv = reinterpret_cast<const Vec16*>(own + roff)[col];
+        reinterpret_cast<Vec16*>(res_out + roff)[col] = yv;
+        set_vec<T>(y[v], yv);
+        add_squares(ss, y[v]);
+      });
+      if (p.weight == nullptr) continue;
+      publish_warp_sum(ss, s_red[parity]);
+      __syncthreads();  // s_red[parity] is rewritten two rows later, after another sync
+      const float rs = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
+      for_each_vec<kVpt>(hv, [&](int v, int col) {
+        reinterpret_cast<Vec16*>(normed + roff)[col] = normalize_vec<T>(y[v], rs, w[v]);
+      });
+    }
+  }
+}
+
+}  // namespace tokenweave
