@@ -127,3 +127,24 @@ def test_one_rank_group_is_a_correct_noop_reduction(single_rank_group, comm, sp)
     y = want_partial + residual
     torch.testing.assert_close(out, y)
     torch.testing.assert_close(normed[0], rms_norm_fp32(y, weight, 1e-5))
+
+
+def test_serving_watch_raises_a_recorded_kernel_failure_after_each_forward(monkeypatch):
+    """The engines' forward hook raises what any live communicator recorded (on a GPU, the
+    words the block copied at its end), so no token is sampled from the NaN outputs."""
+    from megatron_tokenweave import communicator
+    from megatron_tokenweave.serving.engines import watch_failures
+
+    class Failed:
+        def raise_if_failed(self) -> None:
+            raise RuntimeError("tokenweave kernel on rank 0: peer rank 1 never arrived")
+
+    model = torch.nn.Linear(4, 4)
+    watch_failures(model)
+    watch_failures(model)  # once per model
+    assert len(model._forward_hooks) == 1
+    model(torch.randn(2, 4))  # nothing recorded
+    failed = Failed()
+    monkeypatch.setattr(communicator, "_live", {failed})
+    with pytest.raises(RuntimeError, match="peer rank 1 never arrived"):
+        model(torch.randn(2, 4))

@@ -1,7 +1,9 @@
 """Megatron-Core inference engines around a GPTModel, built the way Megatron's own examples do.
 
-The model may use any layer spec; nothing here is TokenWeave-specific, which is the point: a
-TokenWeave model is served exactly like a stock one.
+The model may use any layer spec; a TokenWeave model is served exactly like a stock one. The one
+addition: after every forward of an engine step, a kernel failure recorded by a TokenWeave
+communicator (a peer rank that never arrived) is raised (`watch_failures`), also where Megatron
+replays the layers as CUDA graphs and no layer's Python runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any
 
 import torch
 from megatron.core.inference.sampling_params import SamplingParams
+
+from megatron_tokenweave.communicator import raise_if_any_failed
 
 
 def greedy(num_tokens: int, stop_at_eod: bool = True, **kwargs: Any) -> SamplingParams:
@@ -23,6 +27,23 @@ def greedy(num_tokens: int, stop_at_eod: bool = True, **kwargs: Any) -> Sampling
     if not stop_at_eod:
         params.no_early_termination = True
     return params
+
+
+def _raise_kernel_failure(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+    # The step's tokens need its logits on the host anyway: syncing here costs the step nothing
+    # and makes the error words that the block copied at its end current.
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+    raise_if_any_failed()
+
+
+def watch_failures(model: torch.nn.Module) -> None:
+    """Raise, after each forward of `model`, the kernel failure any TokenWeave communicator
+    recorded (RuntimeError naming the peer, the slot and the timeout): its outputs are NaN, and
+    no token is sampled from them. Once per model."""
+    if not getattr(model, "_tokenweave_watched", False):
+        model.register_forward_hook(_raise_kernel_failure)
+        model._tokenweave_watched = True
 
 
 def static_engine(model: torch.nn.Module, tokenizer: Any, max_batch_size: int,
@@ -38,6 +59,7 @@ def static_engine(model: torch.nn.Module, tokenizer: Any, max_batch_size: int,
         TextGenerationController,
     )
 
+    watch_failures(model)
     context = StaticInferenceContext(max_batch_size, max_sequence_length)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer)
     return StaticInferenceEngine(controller, max_batch_size=max_batch_size, legacy=True)
@@ -137,6 +159,7 @@ def dynamic_llm(model: torch.nn.Module, tokenizer: Any, max_sequence_length: int
         # multiprocessing users in this rank fork too (Megatron's coordinator uses its own spawn
         # context).
         multiprocessing.set_start_method("fork", force=True)
+    watch_failures(model)
     api = MegatronAsyncLLM if serving else MegatronLLM
     return api(model=model, tokenizer=tokenizer, inference_config=config, use_coordinator=serving)
 
