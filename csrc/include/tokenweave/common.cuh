@@ -57,6 +57,17 @@ __device__ __forceinline__ Vec16 load_vec(const void* p) {
   return v;
 }
 
+// The same at L2 only (.cg): for data a peer wrote during this launch (after a barrier), which an
+// L1 line filled earlier in the launch (a neighbouring row's bytes) must not shadow.
+__device__ __forceinline__ Vec16 load_vec_l2(const void* p) {
+  Vec16 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void store_vec(void* p, const Vec16& v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.u[0]), "r"(v.u[1]),
                "r"(v.u[2]), "r"(v.u[3])

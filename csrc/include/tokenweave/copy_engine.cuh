@@ -49,7 +49,7 @@ enum CopyEnginePhase : int { kCeWhole = 0, kCeTransfer = 1, kCeReduce = 2 };
 // One CTA of 32 threads: one barrier of the copy-engine op (START takes kCopyEngineSlot's next
 // epoch; MID and END use the epoch START took). `p` holds the op's real bases (data, then signal
 // pads). With `poison` (the barriers after which no kernel of the op writes outputs any more),
-// a failed barrier, or one that finds an earlier error, writes NaN into the op's outputs.
+// one that finds an earlier error, or a MID that times out, writes NaN into the op's outputs.
 template <int kBarrier>
 __global__ void __launch_bounds__(32)
     copy_engine_barrier_kernel(const FusedParams p, uint32_t nan2, int poison) {
@@ -69,10 +69,13 @@ __global__ void __launch_bounds__(32)
   __syncthreads();
   const uint32_t e = s_epoch;
   constexpr int slot = kBarrier == kCeMid ? kCopyEngineMidSlot : kCopyEngineSlot;
-  const bool ok =
-      e != 0 && cta_barrier<kBarrier == kCeEnd>(pad_bases, p.rank, p.world, slot, e,
-                                                p.timeout_ns, &s_fail);
-  if (!ok && poison) poison_outputs(p, nan2);
+  const bool timed_out =
+      e != 0 && !cta_barrier<kBarrier == kCeEnd>(pad_bases, p.rank, p.world, slot, e,
+                                                 p.timeout_ns, &s_fail);
+  // A timeout at END comes after this call's outputs are complete (MID passed, the copies are
+  // stream-ordered before END), and a slow peer may still be pulling my normed chunk: END
+  // poisons only after an earlier failure.
+  if (poison && (e == 0 || (timed_out && kBarrier != kCeEnd))) poison_outputs(p, nan2);
 }
 
 }  // namespace tokenweave

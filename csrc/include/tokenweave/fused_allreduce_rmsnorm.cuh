@@ -77,30 +77,34 @@ __device__ __forceinline__ void store_normed(const FusedParams& p, char* const (
   }
 }
 
-// Failures are loud: a launch that cannot complete its rows (an earlier launch timed out, or a
-// peer never arrived) writes NaN into every output it was to write, so a consumer reads NaN, never
-// stale rows, until the host raises the recorded error. The CTAs of the launch (any grid) split
-// the rows by index; each writes residual_out and this rank's own copy of normed_out (every chunk
-// under sequence parallelism). `nan2`: two 16-bit quiet NaNs of the output dtype.
-__device__ __forceinline__ void poison_outputs(const FusedParams& p, uint32_t nan2) {
+// Failures are loud: a CTA that cannot complete its rows (an earlier launch timed out, or a
+// peer never arrived) writes NaN into every output row it was to write, so a consumer reads NaN,
+// never stale rows, until the host raises the recorded error. poison_row: one row of residual_out
+// and of this rank's own copy of normed_out (that row of every chunk under sequence
+// parallelism); each kernel poisons exactly the rows its CTA owns (poison_outputs: rows
+// b, b + G, ... as the bulk, one-shot and multimem kernels split them; the register and two-shot
+// kernels their own sets), so a CTA that failed never overwrites a healthy CTA's rows.
+// `nan2`: two 16-bit quiet NaNs of the output dtype.
+__device__ __forceinline__ void poison_row(const FusedParams& p, uint32_t nan2, int row) {
   const Vec16 nan = {{nan2, nan2, nan2, nan2}};
   const int hv = p.hidden / kVecElems;
-  const int64_t row_bytes = static_cast<int64_t>(hv) * kVecBytes;
-  const int chunks = p.sequence_parallel ? p.world : 1;
+  const int64_t row_off = row * static_cast<int64_t>(hv) * kVecBytes;
   char* own = reinterpret_cast<char*>(p.bases[p.rank]);
-  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    for (int col = threadIdx.x; col < hv; col += blockDim.x) {
-      const int64_t roff = row * row_bytes + static_cast<int64_t>(col) * kVecBytes;
-      store_vec(static_cast<char*>(p.residual_out) + roff, nan);
-      if (p.weight == nullptr) continue;
-      if (p.sequence_parallel) {
-        for (int c = 0; c < chunks; ++c)
-          store_vec(own + p.normed_off + c * p.normed_cstride + roff, nan);
-      } else {
-        store_vec(static_cast<char*>(p.normed_local) + roff, nan);
-      }
+  for (int col = threadIdx.x; col < hv; col += blockDim.x) {
+    const int64_t roff = row_off + static_cast<int64_t>(col) * kVecBytes;
+    store_vec(static_cast<char*>(p.residual_out) + roff, nan);
+    if (p.weight == nullptr) continue;
+    if (p.sequence_parallel) {
+      for (int c = 0; c < p.world; ++c)
+        store_vec(own + p.normed_off + c * p.normed_cstride + roff, nan);
+    } else {
+      store_vec(static_cast<char*>(p.normed_local) + roff, nan);
     }
   }
+}
+
+__device__ __forceinline__ void poison_outputs(const FusedParams& p, uint32_t nan2) {
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) poison_row(p, nan2, row);
 }
 
 // Two quiet NaNs of T in one 32-bit word.
@@ -162,9 +166,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int64_t* pad_bases = p.bases + p.world;
   char* data[kNp];
   peer_data(p, data);
+  // This CTA's rows: kRows at a time, rows (iter * G + b) * kRows + r.
+  auto poison_mine = [&] {
+    for (int row0 = b * kRows; row0 < p.rows; row0 += gridDim.x * kRows)
+      for (int r = 0; r < kRows && row0 + r < p.rows; ++r) poison_row(p, nan_pair<T>(), row0 + r);
+  };
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);
   if (e == 0) {  // an earlier launch timed out: NaN until the host raises the error
-    poison_outputs(p, nan_pair<T>());
+    poison_mine();
     return;
   }
 
@@ -175,7 +184,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (!p.copy_engine &&
       !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) {
-    poison_outputs(p, nan_pair<T>());
+    poison_mine();
     return;
   }
 
@@ -244,7 +253,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (!p.copy_engine &&
       !cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
-    poison_outputs(p, nan_pair<T>());  // a peer's normed rows (or its reads) never completed
+    poison_mine();  // a peer's normed rows (or its reads) never completed
 }
 
 // Stages of the bulk path: at most kMaxStages, within kStageSmemBytes of dynamic shared memory.

@@ -14,15 +14,16 @@
 //      the owner ever reads or writes a row of its chunk, on any rank, so no other CTA races it;
 //   3. END barrier (slot b): every owner's CTA b has written its rows of every chunk into my
 //      partial, and has finished reading mine;
-//   4. all rows of CTA b, every chunk, from my own partial (now y): copy to residual_out, reduce
-//      the sum of squares over the CTA, normalize, store normed_out locally.
+//   4. all rows of CTA b, every chunk, from my own partial (now y; read at L2, since a row's
+//      cache line may hold a neighbouring row this CTA loaded in step 2): copy to residual_out,
+//      reduce the sum of squares over the CTA, normalize, store normed_out locally.
 // Every rank normalizes the same rounded y, so the replicated outputs are bit-identical across
 // ranks. The partial buffer holds y afterwards (it is the communicator's scratch). A residual_out
 // that aliases residual is safe: CTA b reads the residual only of the rows it writes itself.
 // No reuse too early and no deadlock, as on the barrier path (signal.cuh): a peer writes into my
 // partial only after START of the same op, which needs my arrival, issued after my previous op
 // finished (stream order). Bounded: a failed barrier, or an earlier error, writes NaN into the
-// CTA's outputs (poison_outputs) and returns.
+// CTA's rows of every output and returns.
 #pragma once
 
 #include "tokenweave/common.cuh"
@@ -44,14 +45,22 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int64_t* pads = p.bases + p.world;
   char* data[kNp];
   peer_data(p, data);
+  const int chunk_rows = (p.rows + p.world - 1) / p.world;
+  // This CTA's rows: b, b + G, ... of every chunk (in phase 2 it writes those of its own chunk
+  // to every rank, in phase 4 all of them locally).
+  auto poison_mine = [&] {
+    for (int c = 0; c < p.world; ++c)
+      for (int row = c * chunk_rows + blockIdx.x; row < min(p.rows, (c + 1) * chunk_rows);
+           row += gridDim.x)
+        poison_row(p, nan_pair<T>(), row);
+  };
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);
   if (e == 0 || !cta_barrier<false>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
-    poison_outputs(p, nan_pair<T>());
+    poison_mine();
     return;
   }
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const int chunk_rows = (p.rows + p.world - 1) / p.world;
 
   // 2. my chunk: reduce, add the residual, write y back to every rank's partial.
   const int mine_end = min(p.rows, (p.rank + 1) * chunk_rows);
@@ -78,7 +87,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   // 3. every owner's rows of this CTA are in my partial.
   if (!cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
-    poison_outputs(p, nan_pair<T>());
+    poison_mine();
     return;
   }
 
@@ -97,7 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       float y[kVpt][8];
       float ss = 0.f;
       for_each_vec<kVpt>(hv, [&](int v, int col) {
-        const Vec16 yv = reinterpret_cast<const Vec16*>(own + roff)[col];
+        const Vec16 yv = load_vec_l2(own + roff + static_cast<int64_t>(col) * kVecBytes);
         reinterpret_cast<Vec16*>(res_out + roff)[col] = yv;
         set_vec<T>(y[v], yv);
         add_squares(ss, y[v]);
