@@ -63,6 +63,11 @@ class WorkspaceCapacityError(TokenWeaveInputError):
     """A forward has more token rows than the communicator's buffers were sized for."""
 
 
+class KernelFailure(RuntimeError):
+    """A TokenWeave kernel gave up waiting for a peer rank (a rank died, or the ranks' calls
+    diverged): its outputs are NaN and the communicator stays unusable; restart the ranks."""
+
+
 @dataclass(frozen=True)
 class Agreement:
     """What every rank of a group settled on: the backend, why (when not the kernel), and the
@@ -138,14 +143,15 @@ def _peer_reachable(group: dist.ProcessGroup, device: torch.device) -> tuple[boo
     return False, why or "a peer GPU of the group has no peer access"
 
 
-def agree(group: dist.ProcessGroup, device: torch.device, requested: str,
-          hidden: int) -> Agreement:
+def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden: int,
+          key: str = "") -> Agreement:
     """Settle the backend and kernel settings on every rank of `group` (a collective).
 
     First one all-reduce of each rank's capabilities (device kind, CUDA extension loaded) and of
-    fingerprints of the AGREED_ENV variables and cached tuning tables: a difference is a
-    TokenWeaveInputError on every rank naming what differs. Only then the collectives that
-    depend on those (peer reachability).
+    fingerprints of the requested backend and `key` (the caller's description of what it
+    creates: hidden size, dtype, capacity), the AGREED_ENV variables and the cached tuning
+    tables: a difference is a TokenWeaveInputError on every rank naming what differs. Only then
+    the collectives that depend on those (peer reachability).
     """
     if requested not in BACKENDS:
         raise TokenWeaveInputError(f"backend must be one of {BACKENDS}, got {requested!r}")
@@ -156,8 +162,9 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str,
         from megatron_tokenweave import kernels
 
         ext = kernels.is_available()
-    names = [*AGREED_ENV, TUNING_TABLES]
-    digests = [_digest(env[n]) for n in AGREED_ENV] + [_tables_digest()]
+    names = ["the requested backend and the communicator's size", *AGREED_ENV, TUNING_TABLES]
+    digests = ([_digest(f"{requested}|{hidden}|{key}")] + [_digest(env[n]) for n in AGREED_ENV]
+               + [_tables_digest()])
     lows, highs = _min_max([int(is_cuda), int(ext), *digests], group, device)
     differ = [n for n, lo, hi in zip(names, lows[2:], highs[2:], strict=True) if lo != hi]
     if differ:
@@ -225,7 +232,7 @@ class Communicator:
         self.hidden = hidden
         self.dtype = dtype
         self.device = device
-        self.agreement = agree(group, device, backend, hidden)
+        self.agreement = agree(group, device, backend, hidden, f"{dtype}|{max_tokens}")
         self.backend = self.agreement.backend
         if self.agreement.reason and self.backend != "kernel":
             mechanism = ("NCCL collectives in the model's dtype" if self.backend == "collectives"
@@ -331,14 +338,30 @@ class Communicator:
             torch.ops.tokenweave.comm_copy_errors(self.kernel.handle, self._errors)
 
     def raise_if_failed(self) -> None:
-        """Raise RuntimeError if a kernel gave up waiting for a peer, as of the last copy that
-        completed (never synchronizes). The message names the peer, the barrier slot and the
-        timeout. The communicator is unusable afterwards (its kernels write NaN)."""
+        """Raise KernelFailure if a kernel of this rank gave up waiting for a peer, as of the
+        last copy that completed (never synchronizes; this rank only). The message names the
+        peer, the barrier slot and the timeout. The communicator is unusable afterwards (its
+        kernels write NaN)."""
         if self._errors is None:
             return
         message = self.symmetric.describe_error(*self._errors.tolist())
         if message is not None:
-            raise RuntimeError(message)
+            raise KernelFailure(message)
+
+    def raise_if_failed_anywhere(self) -> None:
+        """Collective over the group (reads the device's error words: synchronizes): every rank
+        raises KernelFailure if a kernel of any rank gave up, with its own message or the failed
+        rank's number, so no rank is left inside a collective the others skip."""
+        if self.symmetric is None:
+            return
+        words = [int(w) for w in self.symmetric.error_words().tolist()]
+        failed = words[0] != 0
+        _, highs = _min_max([int(failed), dist.get_rank(self.group) if failed else -1],
+                            self.group, self.device)
+        if highs[0]:
+            raise KernelFailure(self.symmetric.describe_error(*words) or (
+                f"tokenweave kernel on rank {highs[1]} of the TP group gave up waiting for a "
+                "peer (its own error names which); this rank's outputs are NaN too"))
 
     # -- capacity and lifetime ----------------------------------------------------------------
     def is_buffer_size_sufficient(self, rows: int) -> bool:
@@ -390,11 +413,24 @@ def get_communicator(group: dist.ProcessGroup, max_tokens: int, hidden: int,
     return comm
 
 
+def find_communicator(group: dist.ProcessGroup, hidden: int, dtype: torch.dtype,
+                      device: torch.device, backend: str) -> Communicator | None:
+    """The communicator of this key if one exists (never creates one: no collective)."""
+    return _communicators.get((group, hidden, dtype, device, backend))
+
+
+def kernels_live() -> bool:
+    """Whether any communicator of this process runs the CUDA kernels."""
+    return any(comm.kernel is not None for comm in _live)
+
+
 def raise_if_any_failed() -> None:
-    """Raise the first recorded kernel failure of any live communicator (no sync). The serving
-    wrappers call it after every engine step, where CUDA graphs replay without Python layers."""
-    for comm in list(_live):
-        comm.raise_if_failed()
+    """Collective (every rank of every live communicator's group calls it, in the same place):
+    raise KernelFailure on every rank if a kernel of any rank gave up. Synchronizes. The serving
+    wrappers call it after every forward, where CUDA graphs replay without Python layers.
+    Communicators are visited in creation order, the same on every rank."""
+    for comm in [*_outgrown, *_communicators.values()]:
+        comm.raise_if_failed_anywhere()
 
 
 def destroy_communicators() -> None:

@@ -19,7 +19,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_tokenweave import moe
-from megatron_tokenweave.communicator import get_communicator
+from megatron_tokenweave.communicator import find_communicator, get_communicator
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.linears import WovenLinearMixin
 from megatron_tokenweave.log import log_once
@@ -133,7 +133,14 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             log_once(f"fallback:{reason}", f"TokenWeave: stock TransformerLayer path ({reason})")
             if handoff is not None:
                 handoff.wait()  # the stock path reads the residual on the current stream
-            return super().forward(hidden_states, *args, **kwargs)
+            out = super().forward(hidden_states, *args, **kwargs)
+            if self._chain.successor(self) is None:  # the block's end: copy the error words
+                cfg = self.tokenweave_config
+                comm = find_communicator(self.tp_group, hidden_states.shape[-1],
+                                         hidden_states.dtype, hidden_states.device, cfg.backend)
+                if comm is not None:
+                    comm.record_errors()
+            return out
         try:
             if args:
                 raise TypeError("TokenWeaveTransformerLayer takes the layer's arguments by keyword")
@@ -163,10 +170,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         if is_moe:  # before anything is launched
             moe.check_capacity(self.mlp, [chunks * h.rows for h in halves])
         # The copy-engine mirror is allocated eagerly: Megatron warms up eagerly, then captures
-        # with the CUDA-graph table, so it is made when that table can pick the copy engine too.
-        graph_plans = get_policy(cfg, dataclasses.replace(key, cuda_graphs=True))
+        # with the CUDA-graph table, so the first forward makes it when that table can pick the
+        # copy engine too.
         if plan.comm == "copy_engine" or (
-                not capturing and self._capturable() and graph_plans.may_copy_engine):
+                not self._validated and not capturing and self._capturable()
+                and get_policy(cfg, dataclasses.replace(key, cuda_graphs=True)).may_copy_engine):
             comm.prepare_copy_engine()
         step = WovenForward(x, group, sp, comm, plan, halves, self._chain.side_stream(x.device),
                             validate=not self._validated)

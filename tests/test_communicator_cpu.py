@@ -129,22 +129,54 @@ def test_one_rank_group_is_a_correct_noop_reduction(single_rank_group, comm, sp)
     torch.testing.assert_close(normed[0], rms_norm_fp32(y, weight, 1e-5))
 
 
-def test_serving_watch_raises_a_recorded_kernel_failure_after_each_forward(monkeypatch):
-    """The engines' forward hook raises what any live communicator recorded (on a GPU, the
-    words the block copied at its end), so no token is sampled from the NaN outputs."""
+def _failure_on_rank_1(rank: int, world: int) -> str:
+    """Two ranks whose communicators hold error words like a GPU's signal pad: only rank 1's
+    kernel recorded a timeout. A model watched by the serving hook runs a forward on both."""
+    import torch.distributed as dist
+
     from megatron_tokenweave import communicator
+    from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
     from megatron_tokenweave.serving.engines import watch_failures
 
-    class Failed:
-        def raise_if_failed(self) -> None:
-            raise RuntimeError("tokenweave kernel on rank 0: peer rank 1 never arrived")
+    class Pad:  # SymmetricBuffer's error words and their message, on the CPU
+        rank, timeout_s = dist.get_rank(), 10.0
+        describe_error = SymmetricBuffer.describe_error
 
+        def error_words(self) -> torch.Tensor:
+            return torch.tensor([1, 0, 7, 3] if rank == 1 else [0, 0, 0, 0], dtype=torch.int32)
+
+    comm = object.__new__(communicator.Communicator)
+    comm.group, comm.device, comm.symmetric, comm.kernel = dist.group.WORLD, CPU, Pad(), object()
+    communicator._communicators[("test",)] = comm
+    communicator._live.add(comm)
+    model = torch.nn.Linear(4, 4)
+    watch_failures(model)
+    try:
+        model(torch.randn(2, 4))
+    except communicator.KernelFailure as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_kernel_failure_on_one_rank_is_raised_on_every_rank():
+    """The serving hook's check is collective: rank 1's kernel timed out, rank 0's did not; both
+    raise KernelFailure after the same forward (no rank left inside a later collective), rank 0
+    naming rank 1."""
+    results = run_ranks(_failure_on_rank_1)
+    assert "peer rank 0 never arrived at the START barrier (CTA 7" in results[1], results
+    assert "kernel on rank 1 of the TP group gave up" in results[0], results
+
+
+def test_the_serving_hook_costs_nothing_without_kernels(monkeypatch):
+    """A model without TokenWeave kernels (a stock model, or the CPU reference backend): the
+    hook neither synchronizes nor runs a collective."""
+    from megatron_tokenweave.serving import engines
+
+    monkeypatch.setattr(engines, "raise_if_any_failed",
+                        lambda: pytest.fail("checked without kernels"))
+    watch_failures = engines.watch_failures
     model = torch.nn.Linear(4, 4)
     watch_failures(model)
     watch_failures(model)  # once per model
     assert len(model._forward_hooks) == 1
-    model(torch.randn(2, 4))  # nothing recorded
-    failed = Failed()
-    monkeypatch.setattr(communicator, "_live", {failed})
-    with pytest.raises(RuntimeError, match="peer rank 1 never arrived"):
-        model(torch.randn(2, 4))
+    model(torch.randn(2, 4))

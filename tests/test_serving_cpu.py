@@ -9,6 +9,7 @@ One spawned job runs everything; the tests assert on what the ranks returned.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -351,3 +352,63 @@ def test_dynamic_engine_cuda_graph_config(monkeypatch):
 
     with pytest.raises(ValueError, match="cuda_graphs needs a model built with"):
         dynamic_llm(Model(), None, 64, 2, cuda_graphs=4)
+
+
+def _kernel_failure_stops_the_server(rank: int, world: int, port: int) -> str:
+    """A TokenWeave model served on every rank whose communicator check (watch_failures) reports
+    a kernel failure on the request with the POISON byte, as every rank does after a peer's
+    kernel gave up (the check is collective). Rank 0 sends that request; then every rank's
+    serve_forever must raise instead of serving on."""
+    import threading
+    import time
+
+    from _serving import POISON, http
+
+    from megatron_tokenweave.communicator import KernelFailure
+    from megatron_tokenweave.cpu_compat import cpu_inference_scope
+    from megatron_tokenweave.launch import stop_event
+    from megatron_tokenweave.serving import engines
+    from megatron_tokenweave.serving.http import FlaskTextServer
+    from megatron_tokenweave.serving.tokenizer import ByteTokenizer
+
+    setup_tp(world)
+    tw_config = TokenWeaveConfig(split_threshold=THRESHOLD, split_align=1, tuning_table="none")
+    model = build_model("tokenweave", SHAPE, LAYERS, world, tw_config, max_seq=MAX_SEQ)
+    seen = [False]
+
+    def look(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen[0] = ids is not None and bool((ids == POISON).any())
+
+    def failed() -> None:
+        if seen[0]:
+            raise KernelFailure("tokenweave kernel on rank 1: peer rank 0 never arrived (test)")
+
+    model.embedding.register_forward_pre_hook(look, with_kwargs=True)
+    engines.kernels_live, engines.raise_if_any_failed = (lambda: True), failed
+    with cpu_inference_scope():
+        server = FlaskTextServer(engines.static_engine(model, ByteTokenizer(SHAPE.vocab),
+                                                       MAX_BATCH, MAX_SEQ), port=port)
+        if rank == 0:  # the port is bound: the request waits until the server runs
+
+            def poisoned_request_then_stop() -> None:
+                body = json.dumps({"prompts": [f"{chr(POISON)} x"], "tokens_to_generate": 2,
+                                   "top_k": 1}).encode()
+                http(server.url + "/api", "PUT", body, timeout=60.0)
+                time.sleep(30.0)  # bounded: a server that served on stops here
+                stop_event().set()
+
+            threading.Thread(target=poisoned_request_then_stop, daemon=True).start()
+        try:
+            server.serve_forever()
+        except KernelFailure as exc:
+            return f"raised: {exc}"
+    return "served on"
+
+
+def test_a_kernel_failure_stops_every_rank_of_the_flask_server():
+    """Not a request error: every rank leaves serve_forever with the KernelFailure (the
+    launcher then reports it and stops the job) instead of answering later requests."""
+    results = run_ranks(_kernel_failure_stops_the_server, free_port())
+    for rank, result in enumerate(results):
+        assert result.startswith("raised: tokenweave kernel on rank 1"), (rank, result)

@@ -2,8 +2,9 @@
 
 The model may use any layer spec; a TokenWeave model is served exactly like a stock one. The one
 addition: after every forward of an engine step, a kernel failure recorded by a TokenWeave
-communicator (a peer rank that never arrived) is raised (`watch_failures`), also where Megatron
-replays the layers as CUDA graphs and no layer's Python runs.
+communicator on any rank (a peer rank that never arrived) is raised on every rank
+(`watch_failures`), also where Megatron replays the layers as CUDA graphs and no layer's Python
+runs; the servers treat it as fatal (the launcher stops every rank).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from megatron.core.inference.sampling_params import SamplingParams
 
-from megatron_tokenweave.communicator import raise_if_any_failed
+from megatron_tokenweave.communicator import kernels_live, raise_if_any_failed
 
 
 def greedy(num_tokens: int, stop_at_eod: bool = True, **kwargs: Any) -> SamplingParams:
@@ -30,17 +31,17 @@ def greedy(num_tokens: int, stop_at_eod: bool = True, **kwargs: Any) -> Sampling
 
 
 def _raise_kernel_failure(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
-    # The step's tokens need its logits on the host anyway: syncing here costs the step nothing
-    # and makes the error words that the block copied at its end current.
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
-    raise_if_any_failed()
+    # The step's tokens need its logits on the host anyway: the sync costs the step little, and
+    # every rank reads the error words and agrees before any token is sampled.
+    if kernels_live():
+        raise_if_any_failed()
 
 
 def watch_failures(model: torch.nn.Module) -> None:
-    """Raise, after each forward of `model`, the kernel failure any TokenWeave communicator
-    recorded (RuntimeError naming the peer, the slot and the timeout): its outputs are NaN, and
-    no token is sampled from them. Once per model."""
+    """Raise on every rank, after each forward of `model`, a kernel failure any rank of a
+    TokenWeave communicator recorded (KernelFailure naming the peer, the slot and the timeout):
+    its outputs are NaN, and no token is sampled from them. Once per model; a model without
+    TokenWeave kernels pays nothing."""
     if not getattr(model, "_tokenweave_watched", False):
         model.register_forward_hook(_raise_kernel_failure)
         model._tokenweave_watched = True

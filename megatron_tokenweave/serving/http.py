@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tokenweave.communicator import KernelFailure
 from megatron_tokenweave.launch import stop_event
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.serving.guard import Limits, Refusal, check_request
@@ -84,6 +85,7 @@ class RequestScopedEngine:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
+        self.fatal: KernelFailure | None = None  # a kernel failure: the server must stop
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -93,6 +95,9 @@ class RequestScopedEngine:
         before = set(scheduler.requests)
         try:
             return self._engine.generate(*args, **kwargs)
+        except KernelFailure as err:  # every rank raises it (watch_failures): not one request's
+            self.fatal = err
+            raise
         except Exception as err:
             raise EngineError(err) from err
         finally:
@@ -196,12 +201,19 @@ class FlaskTextServer:
         if self._server is not None:
             self.start()
             try:
-                while self._thread is not None and self._thread.is_alive() and not stop.is_set():
+                while (self._thread is not None and self._thread.is_alive() and not stop.is_set()
+                       and self.engine.fatal is None):
                     stop.wait(_STOP_POLL_S)
             except KeyboardInterrupt:
                 pass
             finally:
-                self.shutdown()
+                if self.engine.fatal is None:
+                    self.shutdown()
+            if self.engine.fatal is not None:  # the followers raised it too: no STOP to send
+                self._stopped = True
+                self._server.shutdown()
+                self._server.server_close()
+                raise self.engine.fatal
             return
         from megatron.core.inference.text_generation_server.run_mcore_engine import (
             run_mcore_engine,
