@@ -48,12 +48,16 @@ struct Pack<__half> {
   }
 };
 
+// One 16-byte load, `op` the PTX instruction with its state space and cache qualifiers.
+#define TOKENWEAVE_LOAD_V4(op, v, p)                                                \
+  asm volatile(op " {%0,%1,%2,%3}, [%4];"                                           \
+               : "=r"((v).u[0]), "=r"((v).u[1]), "=r"((v).u[2]), "=r"((v).u[3])     \
+               : "l"(p)                                                             \
+               : "memory")
+
 __device__ __forceinline__ Vec16 load_vec(const void* p) {
   Vec16 v;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
-               : "l"(p)
-               : "memory");
+  TOKENWEAVE_LOAD_V4("ld.global.v4.u32", v, p);
   return v;
 }
 
@@ -61,10 +65,7 @@ __device__ __forceinline__ Vec16 load_vec(const void* p) {
 // L1 line filled earlier in the launch (a neighbouring row's bytes) must not shadow.
 __device__ __forceinline__ Vec16 load_vec_l2(const void* p) {
   Vec16 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
-               : "l"(p)
-               : "memory");
+  TOKENWEAVE_LOAD_V4("ld.global.cg.v4.u32", v, p);
   return v;
 }
 

@@ -60,10 +60,7 @@ __device__ __forceinline__ Vec16 load_sanitized(const void* p) {
 
 __device__ __forceinline__ Vec16 load_volatile_vec(const void* p) {
   Vec16 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.u[0]), "=r"(v.u[1]), "=r"(v.u[2]), "=r"(v.u[3])
-               : "l"(p)
-               : "memory");
+  TOKENWEAVE_LOAD_V4("ld.volatile.global.v4.u32", v, p);
   return v;
 }
 
