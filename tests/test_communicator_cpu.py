@@ -180,3 +180,29 @@ def test_the_serving_hook_costs_nothing_without_kernels(monkeypatch):
     watch_failures(model)  # once per model
     assert len(model._forward_hooks) == 1
     model(torch.randn(2, 4))
+
+
+def _one_rank_fails_to_allocate(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+
+    buf = object.__new__(SymmetricBuffer)
+    buf.group, buf.rank, buf.world = dist.group.WORLD, rank, world
+    released: list[bool] = []
+    buf._release = lambda: released.append(True)
+    mine = "OutOfMemoryError: CUDA out of memory" if rank == 1 else b"ipc-handle"
+    try:
+        buf._everyone(mine, "allocating")
+    except RuntimeError as exc:
+        return f"{exc} | released={released}"
+    return "no error"
+
+
+def test_a_rank_that_cannot_allocate_the_buffer_fails_every_rank():
+    """The symmetric buffer exchanges each local step's outcome before the next collective: the
+    rank that ran out of memory and the one that did not both raise, naming the failed rank, and
+    both release what they hold (no rank left waiting for a handle)."""
+    for result in run_ranks(_one_rank_fails_to_allocate):
+        assert "allocating failed on rank(s) 1: OutOfMemoryError" in result, result
+        assert result.endswith("released=[True]"), result

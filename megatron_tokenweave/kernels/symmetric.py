@@ -189,16 +189,24 @@ class SymmetricBuffer(PeerBuffer):
     all_gather_object and opened on every peer. multicast_base stays None (never created here)."""
 
     def _map(self) -> None:
+        """Each local step's outcome is exchanged before the next collective step: a rank whose
+        allocation or mapping failed (e.g. out of memory) makes every rank raise, naming it,
+        instead of leaving the others waiting."""
         ops = torch.ops.tokenweave
         dev = self.device.index
-        self._alloc = int(ops.ipc_malloc(self.signal_bytes + self.nbytes, dev))
+        self._alloc = 0
         self._opened: list[int] = []
+        handle: bytes | str
         try:
+            self._alloc = int(ops.ipc_malloc(self.signal_bytes + self.nbytes, dev))
             ops.init_header(self._alloc, dev)
             handle = bytes(ops.ipc_get_handle(self._alloc, dev).tolist())
-            handles: list[bytes | None] = [None] * self.world
-            dist.all_gather_object(handles, handle, group=self.group)
-            allocs = []
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            handle = f"{type(exc).__name__}: {exc}"
+        handles = self._everyone(handle, "allocating")
+        allocs: list[int] = []
+        failure = None
+        try:
             for p, h in enumerate(handles):
                 if p == self.rank:
                     allocs.append(self._alloc)
@@ -206,12 +214,24 @@ class SymmetricBuffer(PeerBuffer):
                     ptr = int(ops.ipc_open_handle(torch.tensor(list(h), dtype=torch.uint8), dev))
                     self._opened.append(ptr)
                     allocs.append(ptr)
-        except Exception:
-            self._release()
-            raise
+        except Exception as exc:  # noqa: BLE001
+            failure = f"{type(exc).__name__}: {exc}"
+        self._everyone(failure, "mapping the peers' buffers")
         self._set_addresses(allocs)
         self.local = ops.tensor_from_ptr(self.local_base, self.nbytes, dev)
         self.signal = ops.tensor_from_ptr(self._alloc, self.signal_bytes, dev)
+
+    def _everyone(self, mine: bytes | str | None, step: str) -> list:
+        """Every rank's `mine` (all_gather_object); a str is a failure: release what this rank
+        holds and raise on every rank, naming the ranks that failed."""
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        failed = {p: e for p, e in enumerate(everyone) if isinstance(e, str)}
+        if failed:
+            self._release()
+            raise RuntimeError(f"TokenWeave symmetric buffer: {step} failed on rank(s) "
+                               + "; ".join(f"{p}: {e}" for p, e in sorted(failed.items())))
+        return everyone
 
     def _release(self) -> None:
         ops = torch.ops.tokenweave
