@@ -25,13 +25,13 @@ import dataclasses
 import hashlib
 import os
 import socket
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_tokenweave.config import ENV_PREFIX, TokenWeaveConfig
+from megatron_tokenweave.kernels.comm import KernelSettings
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
@@ -44,7 +44,6 @@ from megatron_tokenweave.ops.validate import (
     TokenWeaveInputError,
     check_fused_args,
     check_phase,
-    phases_apply,
 )
 
 BACKENDS = ("auto", "kernel", "reference", "multimem")
@@ -75,10 +74,7 @@ class Agreement:
 
     backend: str
     reason: str
-    bulk: bool
-    oneshot: bool
-    twoshot: bool
-    local_stores_only: bool
+    settings: KernelSettings
     timeout_s: float
     multicast: bool = False  # backend "multimem": the kernel over a kernels.MulticastBuffer
 
@@ -182,11 +178,11 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden
     if not timeout_s > 0:
         raise TokenWeaveInputError(
             f"TOKENWEAVE_KERNEL_TIMEOUT_S={timeout_raw!r}: expected a positive number of seconds")
-    settings = dict(bulk=not _env_flag(env, "TOKENWEAVE_NO_BULK"),
-                    oneshot=not _env_flag(env, "TOKENWEAVE_NO_ONESHOT"),
-                    twoshot=not _env_flag(env, "TOKENWEAVE_NO_TWOSHOT"),
-                    local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES"),
-                    timeout_s=timeout_s)
+    settings = dict(settings=KernelSettings(
+        bulk=not _env_flag(env, "TOKENWEAVE_NO_BULK"),
+        oneshot=not _env_flag(env, "TOKENWEAVE_NO_ONESHOT"),
+        twoshot=not _env_flag(env, "TOKENWEAVE_NO_TWOSHOT"),
+        local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES")), timeout_s=timeout_s)
     world = dist.get_world_size(group)
     if requested == "reference":
         return Agreement("reference", "requested", **settings)
@@ -251,16 +247,13 @@ class Communicator:
             a = self.agreement
             buffer = kernels.MulticastBuffer if a.multicast else kernels.SymmetricBuffer
             self.symmetric = buffer(group, nbytes, device, timeout_s=a.timeout_s)
-            self.kernel = kernels.KernelComm(self.symmetric, kernels.KernelSettings(
-                bulk=a.bulk, oneshot=a.oneshot, twoshot=a.twoshot,
-                local_stores_only=a.local_stores_only))
+            self.kernel = kernels.KernelComm(self.symmetric, a.settings)
             self._errors = torch.zeros(4, dtype=torch.int32, pin_memory=True)
             flat = self.symmetric.local[:nbytes].view(dtype)
         else:
             flat = torch.empty(2 * numel, dtype=dtype, device=device)
         self.partial = flat[:numel].view(max_tokens, hidden)
         self.normed = flat[numel:].view(max_tokens, hidden)
-        _live.add(self)
 
     # -- the op -------------------------------------------------------------------------------
     def allreduce_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
@@ -306,11 +299,6 @@ class Communicator:
         else:
             fused_allreduce_rmsnorm_reference(partial, residual, weight, eps, residual_out,
                                               normed_out, layout, self.group)
-
-    def splits_in_phases(self, comm: Comm, layout: Layout, weight: torch.Tensor | None) -> bool:
-        """Whether this op runs as a transfer beside the other half's GEMMs plus a reduction
-        when its rows are consumed (the kernel's copy-engine path without a normed gather)."""
-        return self.backend == "kernel" and comm == "copy_engine" and phases_apply(layout, weight)
 
     def prepare_copy_engine(self) -> None:
         """Allocate the copy-engine mirror of the peers' partial region ((TP size - 1) x the
@@ -384,10 +372,8 @@ class Communicator:
             self.symmetric = None
         self._mirror = None
         self._errors = None
-        _live.discard(self)
 
 
-_live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 _communicators: dict[tuple, Communicator] = {}
 # Communicators outgrown by a larger max_tokens: kept until destroy_communicators(), since CUDA
 # graphs captured on them (and their copy-engine mirrors) replay with their addresses.
@@ -399,7 +385,7 @@ def get_communicator(group: dist.ProcessGroup, max_tokens: int, hidden: int,
     """The communicator of this group/dtype/hidden/device, created on first use (a collective).
     Every woven layer of a key shares it (a layer hands its normed rows to the next in it); a
     larger max_tokens replaces it with a larger one and keeps the old one alive."""
-    key = (group, hidden, dtype, device, backend)
+    key = _key(group, hidden, dtype, device, backend)
     comm = _communicators.get(key)
     if comm is None or comm.max_tokens < max_tokens:
         if comm is not None:
@@ -416,12 +402,22 @@ def get_communicator(group: dist.ProcessGroup, max_tokens: int, hidden: int,
 def find_communicator(group: dist.ProcessGroup, hidden: int, dtype: torch.dtype,
                       device: torch.device, backend: str) -> Communicator | None:
     """The communicator of this key if one exists (never creates one: no collective)."""
-    return _communicators.get((group, hidden, dtype, device, backend))
+    return _communicators.get(_key(group, hidden, dtype, device, backend))
+
+
+def _key(group: dist.ProcessGroup, hidden: int, dtype: torch.dtype, device: torch.device,
+         backend: str) -> tuple:
+    return (group, hidden, dtype, device, backend)
+
+
+def _every() -> list[Communicator]:
+    """Every communicator of this process, in creation order (the same on every rank)."""
+    return [*_outgrown, *_communicators.values()]
 
 
 def kernels_live() -> bool:
     """Whether any communicator of this process runs the CUDA kernels."""
-    return any(comm.kernel is not None for comm in _live)
+    return any(comm.kernel is not None for comm in _every())
 
 
 def raise_if_any_failed() -> None:
@@ -429,14 +425,14 @@ def raise_if_any_failed() -> None:
     raise KernelFailure on every rank if a kernel of any rank gave up. Synchronizes. The serving
     wrappers call it after every forward, where CUDA graphs replay without Python layers.
     Communicators are visited in creation order, the same on every rank."""
-    for comm in [*_outgrown, *_communicators.values()]:
+    for comm in _every():
         comm.raise_if_failed_anywhere()
 
 
 def destroy_communicators() -> None:
     """Free every communicator (a collective of each TP group; before destroying process
     groups). Nothing captured on them may replay afterwards."""
-    for comm in [*_communicators.values(), *_outgrown]:
+    for comm in _every():
         comm.destroy()
     _communicators.clear()
     _outgrown.clear()
