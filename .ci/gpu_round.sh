@@ -37,6 +37,9 @@
 #   tune_rep4  its CUDA-graph table from 4-layer blocks (three cross-layer hand-offs, not one)
 #   one_gpu  what one GPU can check: the kernel protocol with two processes on it (every data
 #          path), and the token split's GEMM cost (bench split_cost)
+#   gemm   the GEMM-fused mechanism on one GPU: its protocol with 2, 4 and 8 ranks sharing the GPU,
+#          the woven layer's parity with it (ranks sharing the GPU), and the communicating GEMM
+#          against cuBLAS / TE (bench gemm_fused; TE rows where `stage.sh te` was carried)
 #   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
 #          32 and 256 generated tokens per prompt (flash-attn-4 staged)
 set -u
@@ -55,6 +58,12 @@ python -c "import torch, megatron_tokenweave._C; print('extension: built by setu
 python -c "import importlib.metadata as m; print('TE', m.version('transformer_engine'))" 2>&1 | tail -1
 for phase in "${@:-tests}"; do
 case "$phase" in
+  gemm)
+    TAIL=6 step gemm_protocol 420 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py
+    TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
+    TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused \
+      --out "$out/gemm_fused_1gpu.json"
+    ;;
   tune)
     TAIL=14 step tune70b 520 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 460
     mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"

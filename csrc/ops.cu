@@ -25,6 +25,7 @@
 
 #include "tokenweave/copy_engine.cuh"
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
+#include "tokenweave/gemm_reduce.cuh"
 #include "tokenweave/multimem.cuh"
 #include "tokenweave/oneshot.cuh"
 #include "tokenweave/twoshot.cuh"
@@ -55,6 +56,12 @@ struct Communicator {
   at::Tensor sources, mirror;
   std::vector<int64_t> peer_data, mirrors;
   int64_t mirror_bytes = 0;
+  // GEMM-fused path (comm_attach_inbox): this rank's inbox (megatron_tokenweave/kernels/inbox.py
+  // lays it out): slots of `slot_rows` rows (the last ones its sink) at `inbox_data`, flags of
+  // set s at `inbox_flags + s * flag_set_words` ([world][blocks][tiles] words), then epoch[2]
+  // and done[2] words at `inbox_control`.
+  int64_t inbox_data = 0, slot_rows = 0, inbox_flags = 0, flag_set_words = 0, inbox_control = 0;
+  int64_t flag_blocks = 0, flag_tiles = 0;
 };
 
 // Bits of comm_create's `flags`.
@@ -252,6 +259,16 @@ void with_dtype(at::ScalarType dt, F&& f) {
     f(__half{});
 }
 
+// f(T{}, stream) on the current stream of partial's device, T the CUDA type of its dtype; nothing
+// for a call without rows (every rank skips it alike: the rows are the same everywhere).
+template <typename F>
+void on_stream(const at::Tensor& partial, const FusedParams& p, F&& f) {
+  if (p.rows == 0) return;
+  c10::cuda::CUDAGuard guard(partial.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
+  with_dtype(partial.scalar_type(), [&](auto t) { f(t, stream); });
+}
+
 // The SM-driven barrier paths: the bulk-copy pipeline where its stages fit, else registers.
 template <typename T>
 void launch_barrier_path(const Communicator& c, const FusedParams& p, int64_t ctas,
@@ -327,6 +344,55 @@ void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaSt
     launch_twoshot<T>(p, ctas, stream);
   else
     launch_barrier_path<T>(c, p, ctas, stream);
+}
+
+// The GEMM-fused path's consumer (gemm_reduce.cuh) for the rows of inbox set `set` starting at
+// inbox row `row0`, segments of `seg_rows` rows, the GEMM's `block_rows` x `col_tiles` flags.
+template <typename T>
+void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t ctas, int64_t set,
+                        int64_t row0, int64_t seg_rows, int64_t block_rows, int64_t col_tiles,
+                        cudaStream_t stream) {
+  TORCH_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
+              "inbox (comm_attach_inbox)");
+  TORCH_CHECK(set == 0 || set == 1, "tokenweave: inbox set must be 0 or 1, got ", set);
+  TORCH_CHECK(block_rows >= 1 && col_tiles >= 1 && col_tiles <= c.flag_tiles,
+              "tokenweave: block_rows must be positive and col_tiles in 1..", c.flag_tiles);
+  TORCH_CHECK(seg_rows >= 1 && row0 >= 0 && row0 + seg_rows <= c.slot_rows,
+              "tokenweave: inbox rows [", row0, ", ", row0 + seg_rows, ") outside the ",
+              c.slot_rows, " rows of a slot");
+  TORCH_CHECK((seg_rows + block_rows - 1) / block_rows <= c.flag_blocks,
+              "tokenweave: ", seg_rows, " rows of ", block_rows, "-row blocks need more than the ",
+              c.flag_blocks, " flag blocks of the inbox");
+  if (p.sequence_parallel) {
+    TORCH_CHECK(seg_rows == p.rows, "tokenweave: sequence parallel: seg_rows (", seg_rows,
+                ") must equal the rows of a chunk (", p.rows, ")");
+  } else {
+    TORCH_CHECK(seg_rows * c.world >= p.rows && seg_rows % block_rows == 0,
+                "tokenweave: replicated: ", c.world, " segments of seg_rows (", seg_rows,
+                ") must cover the ", p.rows, " rows and be whole blocks of ", block_rows);
+  }
+  InboxParams g{};
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  g.data = reinterpret_cast<const char*>(c.inbox_data);
+  g.slot_bytes = c.slot_rows * row_bytes;
+  g.row0 = static_cast<int>(row0);
+  g.seg_rows = static_cast<int>(seg_rows);
+  const int64_t mine = p.sequence_parallel ? p.rows : p.rows - c.rank * seg_rows;
+  g.my_rows = static_cast<int>(mine < 0 ? 0 : (mine < seg_rows ? mine : seg_rows));
+  g.block_rows = static_cast<int>(block_rows);
+  g.col_tiles = static_cast<int>(col_tiles);
+  g.flags = reinterpret_cast<const uint32_t*>(c.inbox_flags) + set * c.flag_set_words;
+  g.src_stride = c.flag_blocks * c.flag_tiles;
+  g.tiles_stride = static_cast<int>(c.flag_tiles);
+  auto* control = reinterpret_cast<uint32_t*>(c.inbox_control);
+  g.epoch = control + set;
+  g.done = control + 2 + set;
+  const LaunchShape s = launch_shape(p.hidden);
+  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
+    gemm_reduce_rmsnorm_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
+        <<<grid_of(seg_rows, ctas), s.threads, 0, stream>>>(p, g);
+  });
+  check_launch();
 }
 
 // The copy-engine data path (copy_engine.cuh): `c.sources` are the fused kernel's bases on this
@@ -462,6 +528,25 @@ void comm_attach_mirror(int64_t handle, const at::Tensor& sources, const at::Ten
   c.mirror_bytes = mirror_bytes;
 }
 
+// The GEMM-fused path's inbox (a second peer-mapped buffer, laid out by Python: see the
+// Communicator's fields). The GEMMs of every rank store into it; the consumer reads it.
+void comm_attach_inbox(int64_t handle, int64_t data, int64_t slot_rows, int64_t flags,
+                       int64_t flag_blocks, int64_t flag_tiles, int64_t control) {
+  Communicator& c = comm_of(handle);
+  TORCH_CHECK(data != 0 && flags != 0 && control != 0 && data % kVecBytes == 0 &&
+                  flags % 4 == 0 && control % 4 == 0,
+              "tokenweave: inbox addresses must be non-null and aligned");
+  TORCH_CHECK(slot_rows >= 1 && flag_blocks >= 1 && flag_tiles >= 1,
+              "tokenweave: inbox sizes must be positive");
+  c.inbox_data = data;
+  c.slot_rows = slot_rows;
+  c.inbox_flags = flags;
+  c.flag_blocks = flag_blocks;
+  c.flag_tiles = flag_tiles;
+  c.flag_set_words = c.world * flag_blocks * flag_tiles;
+  c.inbox_control = control;
+}
+
 void comm_destroy(int64_t handle) {
   Communicator* c = &comm_of(handle);
   c->magic = 0;
@@ -498,15 +583,29 @@ void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& partial, const at
               "tokenweave: only the copy-engine path runs in phases");
   const FusedParams p =
       make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas);
-  if (p.rows == 0) return;
-  c10::cuda::CUDAGuard guard(partial.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(partial.get_device()).stream();
-  with_dtype(partial.scalar_type(), [&](auto t) {
+  on_stream(partial, p, [&](auto t, cudaStream_t stream) {
     using T = decltype(t);
     if (path == kPathCopyEngine)
       launch_copy_engine<T>(c, p, ctas, phase, stream);
     else
       launch_sm<T>(c, p, ctas, stream);
+  });
+}
+
+// The GEMM-fused path's consumer: y = sum of the P slots of this rank's inbox rows + residual
+// -> residual_out; RMSNorm(y) * weight -> normed_out (sequence parallel: stored to every rank;
+// replicated: y to every rank's `partial` rows, then each rank normalizes all rows locally).
+void gemm_reduce_rmsnorm(int64_t handle, const at::Tensor& partial, const at::Tensor& residual,
+                         const std::optional<at::Tensor>& weight, double eps,
+                         at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+                         int64_t ctas, int64_t set, int64_t row0, int64_t seg_rows,
+                         int64_t block_rows, int64_t col_tiles) {
+  const Communicator& c = comm_of(handle);
+  const FusedParams p =
+      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas);
+  on_stream(partial, p, [&](auto t, cudaStream_t stream) {
+    launch_gemm_reduce<decltype(t)>(c, p, ctas, set, row0, seg_rows, block_rows, col_tiles,
+                                    stream);
   });
 }
 
@@ -519,18 +618,27 @@ TORCH_LIBRARY(tokenweave, m) {
   m.def(
       "comm_attach_mirror(int comm, Tensor sources, Tensor mirror, int[] peer_data, "
       "int[] mirrors, int mirror_bytes) -> ()");
+  m.def(
+      "comm_attach_inbox(int comm, int data, int slot_rows, int flags, int flag_blocks, "
+      "int flag_tiles, int control) -> ()",
+      &tokenweave::comm_attach_inbox);
   m.def("comm_destroy(int comm) -> ()", &tokenweave::comm_destroy);
   m.def("comm_copy_errors(int comm, Tensor(a!) host) -> ()", &tokenweave::comm_copy_errors);
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor partial, Tensor residual, Tensor? weight, "
       "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, int ctas, int path, "
       "int phase) -> ()");
+  m.def(
+      "gemm_reduce_rmsnorm(int comm, Tensor partial, Tensor residual, Tensor? weight, float eps, "
+      "Tensor(a!) residual_out, Tensor(b!)? normed_out, int ctas, int set, int row0, "
+      "int seg_rows, int block_rows, int col_tiles) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {
   m.impl("comm_create", &tokenweave::comm_create);
   m.impl("comm_attach_mirror", &tokenweave::comm_attach_mirror);
   m.impl("fused_allreduce_rmsnorm", &tokenweave::fused_allreduce_rmsnorm);
+  m.impl("gemm_reduce_rmsnorm", &tokenweave::gemm_reduce_rmsnorm);
 }
 
 #ifdef TORCH_EXTENSION_NAME

@@ -34,10 +34,13 @@ from megatron_tokenweave.config import ENV_PREFIX, TokenWeaveConfig
 from megatron_tokenweave.kernels.comm import KernelSettings
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
+from megatron_tokenweave.ops.gemm_emulation import reduce_owned, store_to_owners
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
+from megatron_tokenweave.ops.segments import SETS, Segments, slot_rows
 from megatron_tokenweave.ops.validate import (
     MAX_HIDDEN,
     MAX_RANKS,
+    VECTOR_ELEMS,
     Comm,
     Layout,
     Phase,
@@ -239,6 +242,7 @@ class Communicator:
         self.symmetric = None
         self.kernel = None
         self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
+        self._inbox = None  # prepare_gemm(): kernels.GemmInbox, or the emulation's slots
         self._errors = None  # pinned int32 [4]: the error words, copied by record_errors()
         if self.backend == "kernel":
             from megatron_tokenweave import kernels
@@ -260,6 +264,7 @@ class Communicator:
                           weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
                           normed_out: torch.Tensor | None, layout: Layout, *, ctas: int = 16,
                           comm: Comm = "fused", phase: Phase = "whole",
+                          segments: Segments | None = None, set_index: int = 0,
                           validate: bool = True) -> None:
         """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
 
@@ -274,7 +279,8 @@ class Communicator:
         comm: "fused" (the backend's own mechanism), "copy_engine" (the kernel's copy-engine
             data path: prepare_copy_engine() first; on other backends the same as "fused"), or
             "collectives" (NCCL/gloo collectives in the activations' dtype, then add and norm;
-            reduces in place in `partial`).
+            reduces in place in `partial`), or "gemm" (the consumer of `row_gemm`: the rows the
+            GEMMs of every rank stored as `segments` into inbox set `set_index`).
         phase: "transfer" then "reduce" split the copy-engine op in two (where
             ops.validate.phases_apply); mechanisms without phases run whole at "reduce" and do
             nothing at "transfer".
@@ -284,6 +290,10 @@ class Communicator:
         kernel = self.backend == "kernel" and comm != "collectives"
         copy_engine = kernel and comm == "copy_engine"
         if phase == "transfer" and not copy_engine:
+            return
+        if comm == "gemm":
+            self._reduce_owned(partial, residual, weight, eps, residual_out, normed_out, layout,
+                               segments, set_index, ctas, validate)
             return
         if kernel:
             self.kernel.run(partial, residual, weight, eps, residual_out, normed_out, layout,
@@ -316,6 +326,95 @@ class Communicator:
         self._mirror = kernels.CopyEngineMirror(
             self.symmetric, self.partial.numel() * self.partial.element_size())
         self.kernel.attach_mirror(self._mirror)
+
+    # -- the GEMM-fused mechanism -------------------------------------------------------------
+    def prepare_gemm(self) -> None:
+        """Make the inbox the communicating GEMM stores into (kernel backend: a peer-mapped
+        buffer of about max_tokens x hidden per rank; elsewhere the emulation's slots). A
+        collective on the kernel backend: every rank's plan picks the mechanism in the same
+        forward. Never during a CUDA graph capture (as prepare_copy_engine)."""
+        if self._inbox is not None:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise TokenWeaveInputError(
+                "the GEMM-fused inbox is made on the first eager call; run one forward with "
+                "comm='gemm' before capturing a CUDA graph")
+        if self.backend == "kernel":
+            from megatron_tokenweave.kernels.inbox import GemmInbox
+
+            self._inbox = GemmInbox.create(self.group, self.max_tokens, self.hidden, self.dtype,
+                                           self.device, self.agreement.timeout_s)
+            self._inbox.attach(self.kernel.handle)
+        else:
+            world = dist.get_world_size(self.group)
+            self._inbox = torch.zeros(world, slot_rows(self.max_tokens, world), self.hidden,
+                                      dtype=self.dtype, device=self.device)
+
+    def row_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 segments: Segments, set_index: int, *, ctas: int,
+                 validate: bool = True) -> None:
+        """The communicating row-parallel GEMM of one call: x [rows, K] @ weight^T (+ bias),
+        each segment's rows stored into its owner's inbox set `set_index` (the consumer is
+        allreduce_rmsnorm(comm="gemm") with the same segments and set). ctas: the persistent
+        CTAs the GEMM may take (the kernel backend's SMs left beside the other half's op)."""
+        if validate:
+            self._check_gemm(x, weight, bias, segments, set_index)
+        if self.backend == "kernel":
+            from megatron_tokenweave.kernels.owner_gemm import owner_gemm
+
+            owner_gemm(x, weight, bias, self._inbox, segments, set_index, ctas)
+        else:
+            store_to_owners(x, weight, bias, segments, self._inbox, self.group)
+
+    def _check_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    seg: Segments, set_index: int) -> None:
+        if self._inbox is None:
+            raise TokenWeaveInputError("the GEMM-fused mechanism needs prepare_gemm() first")
+        if set_index not in range(SETS):
+            raise TokenWeaveInputError(f"set_index must be 0 or 1, got {set_index!r}")
+        if x.dim() != 2 or weight.dim() != 2 or not (x.is_contiguous() and weight.is_contiguous()):
+            raise TokenWeaveInputError("row_gemm takes a contiguous x [rows, K] and weight [H, K]")
+        if x.dtype != self.dtype or weight.dtype != self.dtype or (
+                bias is not None and bias.dtype != self.dtype):
+            raise TokenWeaveInputError(
+                f"row_gemm: x, weight and bias must be {self.dtype} (the communicator's dtype), "
+                f"got {x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+        if weight.shape != (self.hidden, x.shape[1]) or (
+                bias is not None and tuple(bias.shape) != (self.hidden,)):
+            raise TokenWeaveInputError(
+                f"row_gemm: weight must be [{self.hidden}, {x.shape[1]}] and bias [{self.hidden}], "
+                f"got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
+        if x.shape[1] % VECTOR_ELEMS:
+            raise TokenWeaveInputError(
+                f"row_gemm: K = {x.shape[1]} must be a multiple of {VECTOR_ELEMS} (16-byte rows)")
+        world = dist.get_world_size(self.group)
+        last = max((seg.first + c * seg.step + seg.length(c) for c in range(world)
+                    if seg.length(c)), default=0)
+        if last > x.shape[0]:
+            raise TokenWeaveInputError(
+                f"row_gemm: the segments read input rows up to {last}, x has {x.shape[0]}")
+        if seg.row0 + seg.rows > slot_rows(self.max_tokens, world):
+            raise WorkspaceCapacityError(
+                f"row_gemm: inbox rows up to {seg.row0 + seg.rows} exceed the "
+                f"{slot_rows(self.max_tokens, world)} rows of a slot; raise max_tokens")
+
+    def _reduce_owned(self, partial: torch.Tensor, residual: torch.Tensor,
+                      weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
+                      normed_out: torch.Tensor | None, layout: Layout, seg: Segments | None,
+                      set_index: int, ctas: int, validate: bool) -> None:
+        if validate:
+            world = dist.get_world_size(self.group)
+            check_fused_args(partial, residual, weight, residual_out, normed_out, layout, world)
+            if seg is None or self._inbox is None:
+                raise TokenWeaveInputError(
+                    "comm='gemm' consumes a row_gemm call: pass its segments (after "
+                    "prepare_gemm())")
+        if self.backend == "kernel":
+            self.kernel.reduce_owned(partial, residual, weight, eps, residual_out, normed_out,
+                                     layout, seg, set_index, ctas=ctas, validate=validate)
+        else:
+            reduce_owned(self._inbox, seg, partial, residual, weight, eps, residual_out,
+                         normed_out, layout, self.group)
 
     # -- failures -----------------------------------------------------------------------------
     def record_errors(self) -> None:
@@ -363,7 +462,10 @@ class Communicator:
             )
 
     def destroy(self) -> None:
-        """Free the kernel, mirror and buffer (collective on the kernel backend)."""
+        """Free the kernel, mirror, inbox and buffer (collective on the kernel backend)."""
+        if self.kernel is not None and self._inbox is not None:
+            self._inbox.close()  # synchronizes: no GEMM stores into it any more
+        self._inbox = None
         if self.kernel is not None:
             self.kernel.close()
             self.kernel = None

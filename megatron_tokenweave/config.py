@@ -68,7 +68,12 @@ class TokenWeaveConfig:
         "copy_engine" (the kernel's copy-engine data path: peers' rows move by cudaMemcpyAsync,
         the SMs only reduce and normalize local rows; split, only the transfer runs beside the
         other half's GEMMs and the reduction waits for the rows' consumer on the main stream;
-        the workspace then holds a local mirror of the peers' partial region).
+        the workspace then holds a local mirror of the peers' partial region), or "gemm" (the
+        row-parallel GEMM communicates: its epilogue stores each output tile into the inbox of
+        the rank that owns those rows and flags it, and the owner's reduction + add + norm
+        waits on those flags; the GEMM takes the SMs the other half's op leaves; the
+        communicator then holds an inbox of about max_tokens x hidden per rank; on backends
+        without the kernels the same data movement runs on collectives).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
     tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
         TP size, hidden size and dtype, from the cache or the shipped ones, fills the table fields

@@ -166,16 +166,23 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         key = TableKey.of(x.device, world, hidden, x.dtype, sp, is_moe, capturing)
         plan = get_policy(cfg, key).plan(rows)
+        if is_moe and plan.comm == "gemm":  # the expert layer computes its own partial sums
+            log_once("moe-gemm", "TokenWeave: MoE layers use the fused op, not the GEMM-fused "
+                     "mechanism (the expert layer computes its partial sums itself)")
+            plan = dataclasses.replace(plan, comm="fused")
         halves = plan_halves(rows // chunks, cfg, plan.split)
         if is_moe:  # before anything is launched
             moe.check_capacity(self.mlp, [chunks * h.rows for h in halves])
-        # The copy-engine mirror is allocated eagerly: Megatron warms up eagerly, then captures
-        # with the CUDA-graph table, so the first forward makes it when that table can pick the
-        # copy engine too.
-        if plan.comm == "copy_engine" or (
-                not self._validated and not capturing and self._capturable()
-                and get_policy(cfg, dataclasses.replace(key, cuda_graphs=True)).may_copy_engine):
+        # The copy-engine mirror and the GEMM-fused inbox are made eagerly: Megatron warms up
+        # eagerly, then captures with the CUDA-graph table, so the first forward makes them when
+        # that table can pick the mechanism too.
+        graph_policy = None
+        if not self._validated and not capturing and self._capturable():
+            graph_policy = get_policy(cfg, dataclasses.replace(key, cuda_graphs=True))
+        if plan.comm == "copy_engine" or (graph_policy and graph_policy.may_use("copy_engine")):
             comm.prepare_copy_engine()
+        if plan.comm == "gemm" or (graph_policy and not is_moe and graph_policy.may_use("gemm")):
+            comm.prepare_gemm()
         step = WovenForward(x, group, sp, comm, plan, halves, self._chain.side_stream(x.device),
                             validate=not self._validated)
         inputs = step.inputs(handoff, self.input_layernorm, group, x)

@@ -7,7 +7,8 @@ context the linears read (nothing on the modules changes). With a plan:
 - a column-parallel linear takes the already-gathered normed input (no all-gather of its own)
   and computes it half by half, waiting for each half's communication to finish;
 - a row-parallel linear writes its un-reduced partial sum of each half straight into the
-  communication workspace and calls back, so the layer can launch that half's fused op at once.
+  communication workspace (or, GEMM-fused, runs the communicating GEMM the plan hands it) and
+  calls back, so the layer can launch that half's fused op at once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Weave:
     after(i): row-parallel only: called once half i's partial sum is queued.
     add_bias: row-parallel only: whether this rank adds the bias into its partial sum (one rank
         does, so the reduction adds it once).
+    gemm(i, x, half, weight, bias): row-parallel only, the GEMM-fused mechanism: computes half
+        i (rows `half` of every chunk of x [chunks, rows, in]) with the communicating GEMM
+        instead of writing `partials` (bias: the one to add, or None).
     """
 
     chunks: int
@@ -55,6 +59,7 @@ class Weave:
     partials: tuple[torch.Tensor, ...] = ()
     after: Callable[[int], None] | None = None
     add_bias: bool = False
+    gemm: Callable[[int, torch.Tensor, Half, torch.Tensor, torch.Tensor | None], None] | None = None
 
     def column(self, module: torch.nn.Module,
                x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,10 +83,13 @@ class Weave:
         for i, half in enumerate(self.halves):
             if self.before is not None:
                 self.before(i)
-            dst = self.partials[i]
-            _gemm_into(half.of(x3), weight, dst)
-            if bias is not None and self.add_bias:
-                dst.add_(bias)
+            if self.gemm is not None:
+                self.gemm(i, x3, half, weight, bias if self.add_bias else None)
+            else:
+                dst = self.partials[i]
+                _gemm_into(half.of(x3), weight, dst)
+                if bias is not None and self.add_bias:
+                    dst.add_(bias)
             if self.after is not None:
                 self.after(i)
         return self.partials[-1], None

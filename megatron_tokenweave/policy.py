@@ -180,12 +180,11 @@ class SplitPolicy:
                      f"TokenWeave: no tuning table for {self.key.gpu} ({self.key}), defaults")
         return []
 
-    @property
-    def may_copy_engine(self) -> bool:
-        """Whether a plan of this policy can run the copy-engine data path (which needs the
-        workspace's mirror allocated outside any CUDA-graph capture)."""
-        return self.cfg.comm == "copy_engine" or ("comm" not in self.cfg.explicit and any(
-            entry.get("comm") == "copy_engine" for entry in self.entries))
+    def may_use(self, comm: str) -> bool:
+        """Whether a plan of this policy can pick the mechanism `comm` ("copy_engine" needs the
+        communicator's mirror, "gemm" its inbox: both made outside any CUDA-graph capture)."""
+        return self.cfg.comm == comm or ("comm" not in self.cfg.explicit and any(
+            entry.get("comm") == comm for entry in self.entries))
 
     def plan(self, tokens: int) -> Plan:
         """The plan for a forward of `tokens` tokens (all shards together): each field from the

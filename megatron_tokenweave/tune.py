@@ -35,13 +35,14 @@ SPLIT_CTAS = ((8, 8), (16, 16), (32, 32))
 # Copy-engine split: the reduction runs alone on the main stream (many CTAs), except in the
 # sequence-parallel layout with a norm, where the whole op stays beside the GEMM (few CTAs).
 CE_SPLIT_CTAS = (16, 64, 128)
+GEMM_SPLIT_CTAS = (8, 16)
 
 
 def candidates() -> dict[str, dict]:
     """Name -> TokenWeaveConfig overrides of every candidate plan: the fused kernel unsplit and
     split at several CTA counts, on its SM-driven and its copy-engine data path (there: the
-    transfer beside the GEMMs, the reduction on the main stream), and the stock
-    collectives unsplit and split (on the side stream).
+    transfer beside the GEMMs, the reduction on the main stream), the stock collectives
+    unsplit and split (on the side stream), and the GEMM-fused mechanism unsplit and split.
     (A GEMM SM carve-out lost everywhere it was measured, so it is not searched.)"""
     out = {f"alone{c}": dict(split_threshold=NEVER, comm_ctas_alone=c) for c in ALONE_CTAS}
     out.update({
@@ -56,6 +57,14 @@ def candidates() -> dict[str, dict]:
     out["ce_alone128"] = dict(split_threshold=NEVER, comm_ctas_alone=128, comm="copy_engine")
     out["collectives"] = dict(split_threshold=NEVER, comm="collectives")
     out["collectives_split"] = dict(split_threshold=0, comm="collectives")
+    # GEMM-fused: the row GEMMs store their tiles into the owners' inboxes; the owner's
+    # reduction runs alone (all SMs to it) or beside the other half's GEMM (the GEMM takes the
+    # SMs it leaves).
+    out["gemm_alone"] = dict(split_threshold=NEVER, comm_ctas_alone=64, comm="gemm")
+    out.update({
+        f"gemm_split{c}": dict(split_threshold=0, comm_ctas_attn=c, comm_ctas_mlp=c, comm="gemm")
+        for c in GEMM_SPLIT_CTAS
+    })
     return out
 
 
@@ -114,6 +123,8 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
     base = TokenWeaveConfig(max_tokens=max(args.tokens), tuning_table="none")
     rope = RotaryEmbedding(kv_channels=shape.hidden // shape.heads, rotary_percent=1.0)
     plans = candidates()
+    if shape.experts:  # MoE layers take the fused op for "gemm" (the expert layer's own GEMMs)
+        plans = {name: plan for name, plan in plans.items() if plan.get("comm") != "gemm"}
     # The all-gather MoE dispatcher reads token counts on the host: eager only. The padded one
     # is capturable: graph tables only (its eager table would take the all-gather one's name).
     modes = args.modes

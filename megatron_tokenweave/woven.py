@@ -12,7 +12,9 @@ A WovenForward holds what one forward needs (geometry, plan, halves, buffer view
 communicator) and runs the steps: `inputs` (the hand-off or the input norm), `attention`, `mlp`,
 `hand_off`. Every fused op starts through `launch`, called once per half as that half's
 row-parallel partial sum is queued (the row linear's `after`; the MoE expert layer's end). The
-linears receive their per-half plans through one mechanism: linears.weaving().
+linears receive their per-half plans through one mechanism: linears.weaving(). With the
+GEMM-fused mechanism the row linears run `row_gemm` (the communicating GEMM) and `launch` starts
+its consumer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from megatron_tokenweave import moe
 from megatron_tokenweave.communicator import Communicator
 from megatron_tokenweave.linears import Weave, weaving
+from megatron_tokenweave.ops.segments import Segments, segments
 from megatron_tokenweave.ops.validate import Layout, phases_apply
 from megatron_tokenweave.policy import Plan
 from megatron_tokenweave.schedule import Half, Handoff, Pending, SideStream
@@ -44,6 +47,20 @@ class Stage:
     norm: Norm | None
     ctas: int
     ops: list[Pending] = field(default_factory=list)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemm_ctas(device: torch.device, plan: Plan) -> int:
+    """Persistent CTAs of the communicating GEMM: every SM unsplit; beside the other half's op,
+    the SMs that op leaves (a CTA waiting for an SM would finish its tiles last)."""
+    if device.type != "cuda":
+        return 1  # the emulation ignores it
+    beside = max(plan.comm_ctas_attn, plan.comm_ctas_mlp) if plan.split else 0
+    return max(1, _sm_count(device) - beside)
 
 
 class WovenForward:
@@ -70,6 +87,15 @@ class WovenForward:
         self.residual_in = x.view(n, hidden)
         self.out = torch.empty_like(x)
         self.residual_out = self.out.view(n, hidden)
+        # GEMM-fused mechanism: the segments of the GEMM just issued for each half (its consumer
+        # takes the same), and the SMs the GEMM leaves to the other half's op.
+        self.gemm_segments: list[Segments | None] = [None] * len(halves)
+        self.gemm_ctas = gemm_ctas(x.device, plan) if plan.comm == "gemm" else 0
+
+    @property
+    def fused_gemm(self) -> bool:
+        """Whether the row-parallel GEMMs communicate themselves (the GEMM-fused mechanism)."""
+        return self.plan.comm == "gemm"
 
     # ------------------------------------------------------------------ the one launch
     def launch(self, stage: Stage, i: int) -> None:
@@ -80,7 +106,8 @@ class WovenForward:
         run = functools.partial(
             self.comm.allreduce_rmsnorm, self.partials[i], stage.residual[rows], weight, eps,
             self.residual_out[rows], self.halves[i].of(self.normed) if weight is not None else None,
-            self.layout, comm=self.plan.comm, validate=self.validate)
+            self.layout, comm=self.plan.comm, segments=self.gemm_segments[i], set_index=i,
+            validate=self.validate)
         if not self.split:
             run(ctas=self.plan.comm_ctas_alone)
             stage.ops.append(Pending())
@@ -93,6 +120,18 @@ class WovenForward:
             with self.side.run():
                 run(ctas=stage.ctas)
             stage.ops.append(Pending(self.side.record()))
+
+    def row_gemm(self, i: int, x: torch.Tensor, rows: Half, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        """Half i's communicating GEMM (GEMM-fused mechanism) over rows `rows` of every chunk of
+        x [chunks, n, K]: its tiles go to their owners' inbox set i, where half i's rows of the
+        layer sit (the woven halves never share inbox rows)."""
+        seg = segments(self.layout, self.world, self.halves[i].rows, first=rows.offset,
+                       chunk_stride=x.shape[1], chunk_row0=self.halves[i].offset, set_index=i,
+                       first_set_rows=self.halves[0].rows)
+        self.gemm_segments[i] = seg
+        self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
+                           ctas=self.gemm_ctas, validate=self.validate)
 
     # ------------------------------------------------------------------ the steps
     def inputs(self, handoff: Handoff | None, input_norm: torch.nn.Module,
@@ -125,7 +164,8 @@ class WovenForward:
                                         before=lambda i: inputs[i].wait()),
             attention.linear_proj: Weave(self.chunks, self.halves, partials=self.partials,
                                          add_bias=self.rank == 0,
-                                         after=lambda i: self.launch(stage, i)),
+                                         after=lambda i: self.launch(stage, i),
+                                         gemm=self.row_gemm if self.fused_gemm else None),
         }
         with weaving(plans):
             attention(self.normed.view(self.chunks * self.s_local, self.batch, -1), **kwargs)
@@ -147,7 +187,9 @@ class WovenForward:
                 mlp.linear_fc1: Weave(self.chunks, whole),
                 mlp.linear_fc2: Weave(self.chunks, whole, partials=(self.partials[i],),
                                       add_bias=self.rank == 0,
-                                      after=lambda _, i=i: self.launch(stage, i)),
+                                      after=lambda _, i=i: self.launch(stage, i),
+                                      gemm=(lambda _, *args, i=i: self.row_gemm(i, *args))
+                                      if self.fused_gemm else None),
             }
             with weaving(plans):
                 mlp(x)

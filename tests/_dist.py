@@ -68,6 +68,33 @@ def record_fused_calls() -> Iterator[list[tuple[int, int]]]:
 
 
 @contextlib.contextmanager
+def record_gemm_calls() -> Iterator[list[tuple]]:
+    """Record the GEMM-fused mechanism's calls in order: ("gemm", set, row0, rows, total) for
+    each communicating GEMM (Communicator.row_gemm) and ("reduce", set, row0, rows, total) for
+    each consumer (allreduce_rmsnorm with comm="gemm")."""
+    from megatron_tokenweave.communicator import Communicator
+
+    calls: list[tuple] = []
+    gemm, fused = Communicator.row_gemm, Communicator.allreduce_rmsnorm
+
+    def row_gemm(self, x, weight, bias, seg, set_index, **kwargs):
+        calls.append(("gemm", set_index, seg.row0, seg.rows, seg.total))
+        return gemm(self, x, weight, bias, seg, set_index, **kwargs)
+
+    def allreduce(self, *args, **kwargs):
+        seg = kwargs.get("segments")
+        if kwargs.get("comm") == "gemm":
+            calls.append(("reduce", kwargs["set_index"], seg.row0, seg.rows, seg.total))
+        return fused(self, *args, **kwargs)
+
+    Communicator.row_gemm, Communicator.allreduce_rmsnorm = row_gemm, allreduce
+    try:
+        yield calls
+    finally:
+        Communicator.row_gemm, Communicator.allreduce_rmsnorm = gemm, fused
+
+
+@contextlib.contextmanager
 def record_collective_calls() -> Iterator[list[int]]:
     """Record the rows of every fused-op call carried out by collectives (comm="collectives")."""
     import megatron_tokenweave.communicator as comm_mod

@@ -60,7 +60,7 @@ def test_explicit_comm_is_planned_at_every_size():
     plans = _plans(TokenWeaveConfig(comm="collectives"))
     assert {p.comm for p in plans.values()} == {"collectives"}
     assert plans[8192].split and not plans[512].split  # the split still from the table
-    assert not SplitPolicy(TokenWeaveConfig(comm="collectives"), KEY).may_copy_engine
+    assert not SplitPolicy(TokenWeaveConfig(comm="collectives"), KEY).may_use("copy_engine")
 
 
 def test_explicit_ctas_win_over_the_entries():
@@ -74,7 +74,7 @@ def test_unset_config_plans_the_table():
     assert [plans[t].split for t in SIZES] == [False, False, True, True, True, True]
     assert plans[512].comm == "fused" and plans[512].comm_ctas_alone == 128
     assert plans[2048].comm == "copy_engine" and plans[2048].comm_ctas_attn == 128
-    assert SplitPolicy(TokenWeaveConfig(), KEY).may_copy_engine
+    assert SplitPolicy(TokenWeaveConfig(), KEY).may_use("copy_engine")
 
 
 def test_environment_variables_are_explicit(monkeypatch):

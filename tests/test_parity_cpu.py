@@ -36,6 +36,7 @@ from _dist import (
     randomize_norms_,
     record_collective_calls,
     record_fused_calls,
+    record_gemm_calls,
     rel_err,
     run_ranks,
     setup_tp,
@@ -63,8 +64,11 @@ SPLITS = {
     "copy_engine": TokenWeaveConfig(
         split_threshold=0, split_align=1, comm="copy_engine", tuning_table="none"
     ),
+    # The GEMM-fused mechanism (its emulation on gloo: the owner segments, both inbox sets).
+    "gemm": TokenWeaveConfig(split_threshold=0, split_align=1, comm="gemm", tuning_table="none"),
+    "gemm_whole": TokenWeaveConfig(split_threshold=10**9, comm="gemm", tuning_table="none"),
 }
-FORCED = ("forced", "collectives", "copy_engine")  # split at the midpoint
+FORCED = ("forced", "collectives", "copy_engine", "gemm")  # split at the midpoint
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LOW_PRECISION_CASES = ((3, 64), (1, 1000))  # (batch, tokens)
 SP_REFUSAL = "First dimension of the tensor should be divisible by tensor parallel size"
@@ -132,8 +136,10 @@ def _parity_worker(rank: int, world: int, low_precision: bool) -> tuple[dict, di
                 except Exception as exc:  # noqa: BLE001 - reported to the parent
                     case["raised"] = (type(exc).__name__, str(exc))
             else:
-                with record_fused_calls() as calls, record_collective_calls() as coll:
+                with record_fused_calls() as calls, record_collective_calls() as coll, \
+                        record_gemm_calls() as gemm:
                     got = forward(model, tokens)
+                case["gemm_calls"] = list(gemm)
                 case["err"] = rel_err(got, want)
                 case["finite"] = bool(torch.isfinite(got).all())
                 case["calls"] = list(calls)
@@ -241,7 +247,7 @@ def _expected_halves(seq: int, batch: int, sp: bool, split: str,
                      world: int) -> tuple[int, int]:
     """(rows per chunk, number of halves) the schedule must use for this case."""
     rows = (seq // world if sp else seq) * batch
-    halves = 1 if split == "none" or rows < 2 else 2
+    halves = 1 if split in ("none", "gemm_whole") or rows < 2 else 2
     return rows, halves
 
 
@@ -281,6 +287,30 @@ def test_comm_collectives_runs_every_call_through_collectives(per_rank):
     for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
         want = [rows for _, rows in case["calls"]] if split == "collectives" else []
         assert case["collective_calls"] == want, (rank, seq, batch, sp, split)
+
+
+def test_gemm_mechanism_pairs_each_gemm_with_its_consumer(per_rank, world):
+    """comm="gemm": every fused op is the consumer of the communicating GEMM issued just before
+    it, with the same inbox set and rows; the halves use sets 0 and 1 and never share inbox
+    rows (sequence parallel: each half keeps its chunk row index; replicated: half B's
+    segments start after half A's); no other configuration runs the mechanism."""
+    for rank, seq, batch, sp, split, case in _cases(per_rank, runnable=True):
+        gemm = case["gemm_calls"]
+        where = (rank, seq, batch, sp, split, gemm[:4])
+        if not split.startswith("gemm"):
+            assert gemm == [], where
+            continue
+        rows, halves = _expected_halves(seq, batch, sp, split, world)
+        assert len(gemm) == 2 * 2 * LAYERS * halves, where
+        pairs = [gemm[i:i + 2] for i in range(0, len(gemm), 2)]
+        assert all(g[0] == "gemm" and r[0] == "reduce" and g[1:] == r[1:] for g, r in pairs), where
+        sets = [g[1] for g, _ in pairs]
+        assert sets == list(range(halves)) * (2 * LAYERS), where
+        spans = {g[1]: range(g[2], g[2] + g[3]) for g, _ in pairs}
+        if halves == 2:
+            assert not set(spans[0]) & set(spans[1]), where
+        totals = {g[1]: g[4] for g, _ in pairs}
+        assert sum(totals.values()) == rows * (world if sp else 1), where
 
 
 def test_aligned_split_uses_alignment_and_offset(per_rank, world):

@@ -261,6 +261,9 @@ def test_tuner_keeps_the_simple_plan_inside_the_noise():
     assert {"alone64", "split16/16", "collectives", "collectives_split", "ce_split16",
             "ce_alone128"} <= set(candidates())
     assert candidates()["ce_split128"]["comm"] == "copy_engine"
+    assert candidates()["gemm_split16"] == dict(split_threshold=0, comm_ctas_attn=16,
+                                                comm_ctas_mlp=16, comm="gemm")
+    assert candidates()["gemm_alone"]["comm"] == "gemm"
     times = {"alone64": 100.0, "alone128": 101.0, "split16/16": 99.5, "collectives": 99.8}
     assert pick(times, min_gain=0.01) == "alone64"  # 0.5 % is noise
     times["split16/16"] = 98.0
@@ -299,15 +302,16 @@ def test_tuner_entries_start_unsplit_below_the_smallest_measured_count():
 def test_policy_says_whether_a_plan_can_take_the_copy_engine_path(tmp_path):
     """The layer allocates the copy-engine mirror at its first eager forward when the CUDA-graph
     policy could pick that path (a capture cannot allocate it): from the config or any entry."""
-    assert not SplitPolicy(TokenWeaveConfig(tuning_table="none"), KEY).may_copy_engine
+    assert not SplitPolicy(TokenWeaveConfig(tuning_table="none"), KEY).may_use("copy_engine")
     assert SplitPolicy(TokenWeaveConfig(comm="copy_engine", tuning_table="none"),
-                       KEY).may_copy_engine
+                       KEY).may_use("copy_engine")
     fused = _write(tmp_path, name="fused.json")
-    assert not SplitPolicy(TokenWeaveConfig(tuning_table=fused), KEY).may_copy_engine
+    assert not SplitPolicy(TokenWeaveConfig(tuning_table=fused), KEY).may_use("copy_engine")
     ce = _write(tmp_path, name="ce.json", entries=[
         {"min_tokens": 0, "split": False},
         {"min_tokens": 4096, "split": False, "comm_ctas_alone": 128, "comm": "copy_engine"}])
     policy = SplitPolicy(TokenWeaveConfig(tuning_table=ce), KEY)
-    assert policy.may_copy_engine and policy.plan(100).comm == "fused"
+    assert policy.may_use("copy_engine") and policy.plan(100).comm == "fused"
     # An explicit comm wins over every entry: the table's copy_engine can no longer be planned.
-    assert not SplitPolicy(TokenWeaveConfig(comm="fused", tuning_table=ce), KEY).may_copy_engine
+    explicit = SplitPolicy(TokenWeaveConfig(comm="fused", tuning_table=ce), KEY)
+    assert not explicit.may_use("copy_engine")

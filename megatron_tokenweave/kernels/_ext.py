@@ -53,11 +53,16 @@ def _jit_build(verbose: bool) -> None:
 
 
 def _register_fakes() -> None:
-    """Fake (meta) implementations: the op mutates its outputs in place and returns nothing."""
+    """Fake (meta) implementations: the ops mutate their outputs in place and return nothing."""
 
     @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm")
     def _fused_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas, path,
                     phase):
+        return None
+
+    @torch.library.register_fake("tokenweave::gemm_reduce_rmsnorm")
+    def _gemm_reduce_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas,
+                          set_index, row0, seg_rows, block_rows, col_tiles):
         return None
 
 

@@ -17,6 +17,7 @@ import torch
 from megatron_tokenweave.kernels._ext import load_extension
 from megatron_tokenweave.kernels.copy_engine import CopyEngineMirror
 from megatron_tokenweave.kernels.symmetric import PeerBuffer
+from megatron_tokenweave.ops.segments import Segments
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_CTAS,
@@ -143,6 +144,7 @@ class KernelComm:
             buffer.bases, buffer.rank, buffer.world, buffer.local_base, buffer.nbytes,
             int(buffer.timeout_s * 1e9), self.settings.flags, int(buffer.multicast_base or 0)))
         self._op = torch.ops.tokenweave.fused_allreduce_rmsnorm.default
+        self._reduce_owned = torch.ops.tokenweave.gemm_reduce_rmsnorm.default
 
     def attach_mirror(self, mirror: CopyEngineMirror) -> None:
         """Give the copy-engine path its mirror of the peers' partial region."""
@@ -175,6 +177,21 @@ class KernelComm:
                         phase)
         self._op(self.handle, partial, residual, weight, float(eps), residual_out, normed_out,
                  ctas, PATHS.index(path), PHASES.index(phase))
+
+    def reduce_owned(self, partial: torch.Tensor, residual: torch.Tensor,
+                     weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
+                     normed_out: torch.Tensor | None, layout: Layout, seg: Segments,
+                     set_index: int, *, ctas: int = DEFAULT_CTAS, validate: bool = True) -> None:
+        """The GEMM-fused mechanism's consumer (gemm_reduce.cuh) for the call whose GEMM stored
+        `seg` into inbox set `set_index` (attach_inbox first): the fused op's contract for the
+        outputs; `partial` is the call's [chunks, rows, hidden] region of the buffer (replicated:
+        every owner's y rows land there)."""
+        if validate:
+            check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
+                              self.buffer, ctas)
+        self._reduce_owned(self.handle, partial, residual, weight, float(eps), residual_out,
+                           normed_out, ctas, set_index, seg.row0, seg.rows, seg.tiles.block_rows,
+                           seg.tiles.col_tiles(partial.shape[-1]))
 
     def _check(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,

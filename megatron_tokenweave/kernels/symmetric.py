@@ -20,7 +20,8 @@ from megatron_tokenweave.ops.validate import MAX_CTAS
 # communicator's agreed TOKENWEAVE_KERNEL_TIMEOUT_S overrides it).
 DEFAULT_TIMEOUT_S = 10.0
 _ALIGN = 256
-_ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)"}
+_ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)",
+           4: "GEMM-fused reduction (its GEMM tiles never came)"}
 # Barrier slots of the signal pad (signal.cuh): one per CTA index (kMaxCtas), then the
 # copy-engine op's two (START/END, MID).
 _CTA_SLOTS = MAX_CTAS
@@ -143,7 +144,7 @@ class PeerBuffer:
         """The message for error words read from the device (None when there is no error)."""
         if not code:
             return None
-        where = _SLOT_NAMES.get(cta, f"CTA {cta}")
+        where = f"row block {cta}" if code == 4 else _SLOT_NAMES.get(cta, f"CTA {cta}")
         return (
             f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
             f"{_ERRORS.get(code, '?')} ({where}, epoch/round {epoch}, timeout "

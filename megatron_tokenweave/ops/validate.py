@@ -16,8 +16,8 @@ VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
 MAX_CTAS = 128
 MAX_RANKS = 8
 MAX_HIDDEN = 32768
-Comm = Literal["fused", "collectives", "copy_engine"]
-COMMS: tuple[str, ...] = ("fused", "collectives", "copy_engine")
+Comm = Literal["fused", "collectives", "copy_engine", "gemm"]
+COMMS: tuple[str, ...] = ("fused", "collectives", "copy_engine", "gemm")
 # What one call of the fused op issues: all of it, or (copy-engine data path, split layers) the
 # transfer of the peers' rows alone, or the local reduction + norm alone after it.
 Phase = Literal["whole", "transfer", "reduce"]

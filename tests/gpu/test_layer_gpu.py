@@ -99,7 +99,8 @@ def _parity(rank: int, world: int, te: bool = False,
     calls = _count_fused_calls()
     results = []
     for sp in layouts:
-        mechanisms = [("kernel", "fused"), ("kernel", "copy_engine"), ("kernel", "collectives")]
+        mechanisms = [("kernel", "fused"), ("kernel", "copy_engine"), ("kernel", "collectives"),
+                      ("kernel", "gemm")]
         if not te:
             mechanisms.append(("reference", "fused"))
         for backend, comm in mechanisms:

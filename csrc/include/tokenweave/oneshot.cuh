@@ -146,12 +146,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           uint32_t spins = 0;
           while (holds_empty(x)) {
             if ((++spins & 255u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
-              if (atomicCAS(&self->error[0], 0u, static_cast<uint32_t>(kTimeoutArrival)) == 0u) {
-                self->error[1] = static_cast<uint32_t>(q);
-                self->error[2] = static_cast<uint32_t>(b);
-                self->error[3] = r;
-                __threadfence_system();
-              }
+              record_error(self, kTimeoutArrival, q, b, r);
               failed = 1;
               break;
             }

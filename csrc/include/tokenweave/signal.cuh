@@ -42,7 +42,13 @@ constexpr int kOneShotRounds = 3;
 constexpr int64_t kOneShotRoundBytes = int64_t{8} << 20;
 constexpr int64_t kHeaderBytes = kSignalBytes + kOneShotRounds * kOneShotRoundBytes;
 
-enum ErrorCode : uint32_t { kOk = 0, kTimeoutStart = 1, kTimeoutEnd = 2, kTimeoutArrival = 3 };
+enum ErrorCode : uint32_t {
+  kOk = 0,
+  kTimeoutStart = 1,
+  kTimeoutEnd = 2,
+  kTimeoutArrival = 3,
+  kTimeoutTile = 4,  // gemm_reduce.cuh: a source's GEMM tiles of a block never came
+};
 
 // Barrier slots: one per CTA index of the kernels' launches, plus two for the copy-engine op's
 // one-CTA barrier kernels (copy_engine.cuh: START/END on the first, MID on the second's start
@@ -79,6 +85,18 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Record the first error of this rank (later ones keep the first): code, the peer that never
+// came, the slot (CTA, row block or round) and the epoch; visible to the host's copy at once.
+__device__ __forceinline__ void record_error(SignalPad* self, uint32_t code, int peer, int slot,
+                                             uint32_t epoch) {
+  if (atomicCAS(&self->error[0], 0u, code) == 0u) {
+    self->error[1] = static_cast<uint32_t>(peer);
+    self->error[2] = static_cast<uint32_t>(slot);
+    self->error[3] = epoch;
+    __threadfence_system();
+  }
+}
+
 // Thread 0 of the CTA: take the next epoch of CTA b; returns 0 if an earlier error is pending.
 __device__ __forceinline__ uint32_t next_epoch(SignalPad* self, int b) {
   if (*reinterpret_cast<volatile uint32_t*>(&self->error[0]) != kOk) return 0;
@@ -106,12 +124,7 @@ __device__ __forceinline__ bool cta_barrier(const int64_t* pad_bases, int rank, 
     uint32_t spins = 0;
     while (static_cast<int32_t>(ld_acquire_sys(mine) - e) < 0) {
       if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > timeout_ns) {
-        if (atomicCAS(&self->error[0], 0u, kEnd ? kTimeoutEnd : kTimeoutStart) == 0u) {
-          self->error[1] = static_cast<uint32_t>(t);
-          self->error[2] = static_cast<uint32_t>(b);
-          self->error[3] = e;
-          __threadfence_system();
-        }
+        record_error(self, kEnd ? kTimeoutEnd : kTimeoutStart, t, b, e);
         atomicExch(s_fail, 1);
         break;
       }

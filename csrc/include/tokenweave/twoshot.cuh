@@ -37,6 +37,55 @@ namespace tokenweave {
 // groups pull every row: the same total bytes at P = 2, one barrier pair, no second pass).
 constexpr int kTwoShotMinWorld = 4;
 
+// Rows b, b + G, ... of each of the P chunks of `chunk_rows` rows: the rows CTA b of an
+// owner-reduces launch (this file's kernel, gemm_reduce.cuh's replicated one) writes on every
+// rank after its END barrier. A CTA that fails poisons exactly these.
+__device__ __forceinline__ void poison_chunk_rows(const FusedParams& p, uint32_t nan2,
+                                                  int chunk_rows) {
+  for (int c = 0; c < p.world; ++c)
+    for (int row = c * chunk_rows + blockIdx.x; row < min(p.rows, (c + 1) * chunk_rows);
+         row += gridDim.x)
+      poison_row(p, nan2, row);
+}
+
+// After the END barrier, every rank: those rows of y (every owner wrote them into `own`, this
+// rank's partial; read at L2, since a row's cache line may hold a neighbouring row this CTA
+// loaded earlier) to residual_out, and their norm to normed_out, locally. Every rank normalizes
+// the same rounded y, so the replicated outputs are bit-identical across ranks.
+template <typename T, int kVpt>
+__device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const char* own,
+                                                     int chunk_rows) {
+  __shared__ float s_red[2][kMaxThreads / 32];
+  const int hv = p.hidden / kVecElems;
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  Vec16 w[kVpt];
+  load_weight(p.weight, hv, w);
+  char* res_out = static_cast<char*>(p.residual_out);
+  char* normed = static_cast<char*>(p.normed_local);
+  int parity = 0;
+  for (int c = 0; c < p.world; ++c) {
+    const int end = min(p.rows, (c + 1) * chunk_rows);
+    for (int row = c * chunk_rows + blockIdx.x; row < end; row += gridDim.x, parity ^= 1) {
+      const int64_t roff = row * row_bytes;
+      float y[kVpt][8];
+      float ss = 0.f;
+      for_each_vec<kVpt>(hv, [&](int v, int col) {
+        const Vec16 yv = load_vec_l2(own + roff + static_cast<int64_t>(col) * kVecBytes);
+        reinterpret_cast<Vec16*>(res_out + roff)[col] = yv;
+        set_vec<T>(y[v], yv);
+        add_squares(ss, y[v]);
+      });
+      if (p.weight == nullptr) continue;
+      publish_warp_sum(ss, s_red[parity]);
+      __syncthreads();  // s_red[parity] is rewritten two rows later, after another sync
+      const float rs = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
+      for_each_vec<kVpt>(hv, [&](int v, int col) {
+        reinterpret_cast<Vec16*>(normed + roff)[col] = normalize_vec<T>(y[v], rs, w[v]);
+      });
+    }
+  }
+}
+
 template <typename T, int kNp, int kVpt>
 __global__ void __launch_bounds__(kMaxThreads)
     fused_allreduce_rmsnorm_twoshot_kernel(const FusedParams p) {
@@ -48,12 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int chunk_rows = (p.rows + p.world - 1) / p.world;
   // This CTA's rows: b, b + G, ... of every chunk (in phase 2 it writes those of its own chunk
   // to every rank, in phase 4 all of them locally).
-  auto poison_mine = [&] {
-    for (int c = 0; c < p.world; ++c)
-      for (int row = c * chunk_rows + blockIdx.x; row < min(p.rows, (c + 1) * chunk_rows);
-           row += gridDim.x)
-        poison_row(p, nan_pair<T>(), row);
-  };
+  auto poison_mine = [&] { poison_chunk_rows(p, nan_pair<T>(), chunk_rows); };
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);
   if (e == 0 || !cta_barrier<false>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
     poison_mine();
@@ -92,34 +136,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // 4. all rows of this CTA: residual_out and the norm, locally.
-  __shared__ float s_red[2][kMaxThreads / 32];
-  Vec16 w[kVpt];
-  load_weight(p.weight, hv, w);
-  const char* own = data[p.rank] + p.partial_off;
-  char* res_out = static_cast<char*>(p.residual_out);
-  char* normed = static_cast<char*>(p.normed_local);
-  int parity = 0;
-  for (int c = 0; c < p.world; ++c) {
-    const int end = min(p.rows, (c + 1) * chunk_rows);
-    for (int row = c * chunk_rows + blockIdx.x; row < end; row += gridDim.x, parity ^= 1) {
-      const int64_t roff = row * row_bytes;
-      float y[kVpt][8];
-      float ss = 0.f;
-      for_each_vec<kVpt>(hv, [&](int v, int col) {
-        const Vec16 yv = load_vec_l2(own + roff + static_cast<int64_t>(col) * kVecBytes);
-        reinterpret_cast<Vec16*>(res_out + roff)[col] = yv;
-        set_vec<T>(y[v], yv);
-        add_squares(ss, y[v]);
-      });
-      if (p.weight == nullptr) continue;
-      publish_warp_sum(ss, s_red[parity]);
-      __syncthreads();  // s_red[parity] is rewritten two rows later, after another sync
-      const float rs = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
-      for_each_vec<kVpt>(hv, [&](int v, int col) {
-        reinterpret_cast<Vec16*>(normed + roff)[col] = normalize_vec<T>(y[v], rs, w[v]);
-      });
-    }
-  }
+  normalize_chunk_rows<T, kVpt>(p, data[p.rank] + p.partial_off, chunk_rows);
 }
 
 }  // namespace tokenweave

@@ -1,0 +1,159 @@
+"""The communicating row-parallel GEMM against cuBLAS and TransformerEngine's GEMM, on one GPU.
+
+    python -m megatron_tokenweave.bench gemm_fused --out docs/results/gemm_fused_1gpu.json
+
+Per model (Llama-3.3-70B, Llama-3-8B shapes), row-parallel GEMM (o_proj, fc2), TP size (the
+rank's shard: K = in-features / TP) and token count: `cublas` (torch.matmul into a preallocated
+output), `te` (a TransformerEngine Linear of the same shard, where TE is installed) and
+`tokenweave` (kernels/owner_gemm.py: its epilogue stores every tile another rank owns into that
+rank's inbox and publishes a flag; here the TP-1 peers' inboxes are separate local allocations,
+GemmInbox.loopback, so the stores and flags are all paid, only the NVLink is not). Replicated
+layout (what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph;
+replays interleaved (bench/timing.py), bf16, medians. The tokenweave rows are checked against
+cuBLAS before timing. The reduction that consumes the tiles needs peers: its timing is part of
+the 2-GPU kernel benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from megatron_tokenweave.bench import command_parser
+from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.split_cost import layer_gemms
+from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
+from megatron_tokenweave.models import SHAPES
+from megatron_tokenweave.ops.segments import segments
+from megatron_tokenweave.ops.validate import Layout
+
+GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
+
+
+def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor], object] | None:
+    """A TE Linear computing x @ weight^T, or None where TransformerEngine does not import."""
+    try:
+        import transformer_engine.pytorch as te
+    except Exception:  # noqa: BLE001 - any TE import failure: no TE rows
+        return None
+    linear = te.Linear(k, n, bias=False, params_dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
+    """Rows of one (model, TP, tokens): every GEMM x impl, in microseconds."""
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.kernels.owner_gemm import owner_gemm
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    shape = SHAPES[model]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    inbox = GemmInbox.loopback(tp, tokens, shape.hidden, dtype, dev)
+    seg = segments(Layout.REPLICATED, tp, tokens)
+    rows = []
+    for name, key in GEMMS.items():
+        k, n = layer_gemms(shape, tp)[key]
+        x = torch.randn(tokens, k, device=dev, dtype=dtype)
+        w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
+        out = torch.empty(tokens, n, device=dev, dtype=dtype)
+        impls = {
+            "cublas": lambda x=x, w=w, out=out: torch.matmul(x, w.t(), out=out),
+            "tokenweave": lambda x=x, w=w: owner_gemm(x, w, None, inbox, seg, 0, sms),
+        }
+        te = _te_linear(k, n, w)
+        if te is not None:
+            impls["te"] = lambda x=x, te=te: te(x)
+        _check(impls, inbox, seg, out)
+        with torch.no_grad():
+            graphs = {impl: capture_graph(fn) for impl, fn in impls.items()}
+        us = interleaved_medians({i: (lambda _, g=g: g.replay()) for i, g in graphs.items()},
+                                 iters=iters)
+        rows += [dict(model=model, gemm=name, tp=tp, tokens=tokens, impl=impl,
+                      us=round(t, 2)) for impl, t in us.items()]
+    inbox.close()
+    return rows
+
+
+def _check(impls: dict, inbox, seg, out: torch.Tensor) -> None:
+    """The communicating GEMM's tiles, in every owner's slot of rank 0, equal cuBLAS's rows."""
+    impls["cublas"]()
+    for slots in inbox.owner_slots:
+        slots.fill_(float("nan"))
+    impls["tokenweave"]()
+    torch.cuda.synchronize()
+    for c, slots in enumerate(inbox.owner_slots):
+        n = seg.length(c)
+        got = slots[0, seg.row0:seg.row0 + n].float()
+        want = out[c * seg.rows:c * seg.rows + n].float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r["impl"]): r["us"] for r in rows}
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for gemm in GEMMS:
+            for tp in sorted({r["tp"] for r in rows}):
+                lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
+                ratio = [by[(model, gemm, tp, t, "cublas")] / by[(model, gemm, tp, t, "tokenweave")]
+                         for t in lengths]
+                ax.plot(lengths, ratio, marker="o", label=f"{gemm} TP={tp}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(0.98, color="red", lw=0.6, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("cuBLAS time / communicating GEMM time")
+        ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser("gemm_fused", __doc__)
+    parser.add_argument("--models", nargs="+", default=["llama-3.3-70b", "llama-3-8b"],
+                        choices=sorted(SHAPES), metavar="MODEL", help="dense model shapes")
+    parser.add_argument("--tp", nargs="+", type=int, default=[2, 4, 8],
+                        help="tensor-parallel sizes whose shards are timed")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192],
+                        help="tokens of one forward")
+    parser.add_argument("--iters", type=int, default=30,
+                        help="timed replays per impl (interleaved; medians)")
+    parser.add_argument("--out", default="docs/results/gemm_fused_1gpu.json",
+                        help="result JSON (plot beside it)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the GEMM-fused benchmark needs a GPU")
+    rows = []
+    for model in args.models:
+        if SHAPES[model].experts:
+            raise SystemExit(f"{model} is a mixture of experts: dense shapes only")
+        for tp in args.tp:
+            for tokens in args.tokens:
+                got = measure(model, tp, tokens, args.iters)
+                rows += got
+                us = {(r["gemm"], r["impl"]): r["us"] for r in got}
+                print(f"{model} TP={tp} {tokens:5d} tokens: " + ", ".join(
+                    f"{g} cublas/tokenweave {us[(g, 'cublas')] / us[(g, 'tokenweave')]:.3f}"
+                    + (f" te/tokenweave {us[(g, 'te')] / us[(g, 'tokenweave')]:.3f}"
+                       if (g, "te") in us else "") for g in GEMMS), flush=True)
+    write_result("gemm_fused", argv, rows, args.out, _plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The GEMM-fused mechanism's inbox: a second peer-mapped (CUDA IPC) buffer per communicator into
+which every rank's row-parallel GEMM stores the output tiles other ranks own.
+
+Layout of each rank's data region (ops/segments.py names the geometry):
+
+    flags    int32 [SETS][world][blocks][tiles]    flag[s][src][m][n] = epoch: rank src stored
+                                                   tile (m, n) of this rank's segment in set s
+    control  int32 [2 * SETS]                      epoch[s] (the last call's), done[s]
+    slots    T [world][slot_rows][hidden]          slot src: the rows rank src stored here
+
+`GemmInbox.create` maps every rank's region (a collective: `Communicator.prepare_gemm`, which
+every rank's plan reaches in the same forward); memory starts zeroed (epoch 0 = no call yet).
+`GemmInbox.loopback` is the one-GPU benchmark's stand-in: every "rank" a separate local
+allocation, so the GEMM's remote tiles and flags land in memory other than its own slot, as they
+would over NVLink (no protocol runs on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_tokenweave.ops.segments import (
+    MIN_BLOCK_COLS,
+    MIN_BLOCK_ROWS,
+    SETS,
+    slot_rows,
+)
+
+_ALIGN = 256
+
+
+def _view(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like `like` at a device address (a peer's mapped inbox)."""
+    nbytes = like.numel() * like.element_size()
+    raw = torch.ops.tokenweave.tensor_from_ptr(address, nbytes, like.device.index)
+    return raw.view(like.dtype).view(like.shape)
+
+
+class GemmInbox:
+    """Every rank's inbox region as this rank addresses it: `owner_slots` (each rank's slots),
+    `slot_bases` / `flag_bases` (device int64 [world]: each rank's slots and flags), this rank's
+    `control` words and `slots` view."""
+
+    def __init__(self, world: int, rank: int, max_tokens: int, hidden: int, dtype: torch.dtype,
+                 map_regions: Callable[[int], tuple[list[int], list[torch.Tensor | None]]],
+                 close: Callable[[], None]) -> None:
+        self.world, self.rank, self.hidden, self.dtype = world, rank, hidden, dtype
+        self.slot_rows = rows = slot_rows(max_tokens, world)
+        self.flag_blocks = -(-self.slot_rows // MIN_BLOCK_ROWS)
+        self.flag_tiles = -(-hidden // MIN_BLOCK_COLS)
+        self.set_words = world * self.flag_blocks * self.flag_tiles
+        flag_bytes = SETS * self.set_words * 4
+        self.control_off = flag_bytes
+        self.slots_off = -(-(flag_bytes + 4 * 2 * SETS) // _ALIGN) * _ALIGN
+        es = torch.finfo(dtype).bits // 8
+        nbytes = self.slots_off + world * rows * hidden * es
+        bases, raw = map_regions(nbytes)  # raw: each rank's region as a tensor, where held
+        local = raw[rank]
+        self._close = close
+        self.local_base = bases[rank]
+        self.flag_bases = torch.tensor(bases, dtype=torch.int64, device=local.device)
+        self.slot_bases = torch.tensor([b + self.slots_off for b in bases], dtype=torch.int64,
+                                       device=local.device)
+        self.control = local[self.control_off:self.control_off + 4 * 2 * SETS].view(torch.int32)
+        self.slots = local[self.slots_off:nbytes].view(dtype).view(world, rows, hidden)
+        self.owner_slots = [  # every rank's slots, as mapped here
+            r[self.slots_off:nbytes].view(dtype).view(self.slots.shape) if r is not None
+            else _view(b + self.slots_off, self.slots) for b, r in zip(bases, raw, strict=True)]
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, max_tokens: int, hidden: int, dtype: torch.dtype,
+               device: torch.device, timeout_s: float) -> GemmInbox:
+        """Every rank's inbox over CUDA IPC (collective)."""
+        from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+
+        buffers: list[SymmetricBuffer] = []
+
+        def map_regions(nbytes: int) -> tuple[list[int], list[torch.Tensor | None]]:
+            buffers.append(buffer := SymmetricBuffer(group, nbytes, device, timeout_s=timeout_s))
+            return list(buffer.peer_data), [buffer.local if q == buffer.rank else None
+                                            for q in range(buffer.world)]
+
+        return cls(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, dtype,
+                   map_regions, lambda: buffers[0].close())
+
+    @classmethod
+    def loopback(cls, world: int, max_tokens: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> GemmInbox:
+        """Rank 0 of `world` whose peers' inboxes are local allocations (benchmarks only)."""
+        regions: list[torch.Tensor] = []
+
+        def map_regions(nbytes: int) -> tuple[list[int], list[torch.Tensor | None]]:
+            regions.extend(torch.zeros(nbytes, dtype=torch.uint8, device=device)
+                           for _ in range(world))
+            return [r.data_ptr() for r in regions], list(regions)
+
+        return cls(world, 0, max_tokens, hidden, dtype, map_regions, regions.clear)
+
+    def attach(self, handle: int) -> None:
+        """Hand the inbox to the C++ communicator (its consumer reads this rank's part)."""
+        base = self.local_base
+        torch.ops.tokenweave.comm_attach_inbox(
+            handle, base + self.slots_off, self.slots.shape[1], base, self.flag_blocks,
+            self.flag_tiles, base + self.control_off)
+
+    def close(self) -> None:
+        """Free the regions (a collective for `create`'s)."""
+        self._close()

@@ -1,0 +1,134 @@
+"""The communicating row-parallel GEMM: partial = x @ W^T (+ bias on one rank), whose epilogue
+stores every output tile straight into the inbox of the rank that owns its rows and publishes it
+with an epoch-tagged flag, so the reduce-scatter happens inside the GEMM, on no extra SMs.
+
+Why Triton: a persistent Triton GEMM with TMA loads runs the row-parallel shapes of Llama-70B
+at 0.97-1.07x of cuBLAS on an H200 (DEVICE.md), and its epilogue is ordinary code we own
+(16-byte stores to any rank's mapped address, a fence and flag stores), where cuBLAS's epilogue
+is closed and a CUTLASS collective would need a custom epilogue visitor per layout. Measured on
+one H200 (docs/kernel.md): the stores cost 1-5 % against the same kernel storing nothing, TMA
+stores through descriptors built in the kernel were slower than register stores, and a
+system-scope fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once,
+after its last tile. Protocol and geometry: ops/segments.py, csrc/include/tokenweave/
+gemm_reduce.cuh.
+
+Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row
+blocks (weight tiles reused in L2), segments in the order rank + 1, rank + 2, ..., rank (each rank
+writes a different peer first; its own rows last). The GEMM never waits: its stores into a set's
+rows are ordered after that set's previous consumer by the caller (the woven schedule's data
+dependencies), and that consumer's END barrier means every owner finished reading them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megatron_tokenweave.kernels.inbox import GemmInbox
+from megatron_tokenweave.ops.segments import Segments
+
+# gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 2^31 - 1
+_EPOCH_WRAP = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def _store_tile(dst, acc, bias_ptr, valid_rows, col0, N, HAS_BIAS: tl.constexpr,
+                ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """The first valid_rows rows x columns col0 .. col0 + WIDTH (< N) of a tile part, bias
+    added, rounded once; dst points at the part's first row and column."""
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col0 + cols, mask=col0 + cols < N).to(tl.float32)[None, :]
+    tl.store(dst + (rows.to(tl.int64) * N)[:, None] + cols[None, :], acc.to(dst.dtype.element_ty),
+             mask=(rows < valid_rows)[:, None] & (col0 + cols < N)[None, :])
+
+
+@triton.jit
+def _tile_of(tile, rank, world, blocks, num_m, per_group, GROUP_M: tl.constexpr):
+    """(owner, row block within its segment, column tile) of a linear tile index: grouped
+    order (GROUP_M row blocks share the weight tiles in L2), segments from rank + 1 on."""
+    group = tile // per_group
+    first_m = group * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    vm = first_m + (tile % per_group) % group_size
+    pn = (tile % per_group) // group_size
+    order = vm // blocks
+    return (rank + 1 + order) % world, vm - order * blocks, pn
+
+
+@triton.jit
+def _owner_gemm_kernel(
+    a_desc, b_desc, bias_ptr, slot_bases, flag_bases, control_ptr,
+    rank, world, set_index, set_words, flag_blocks, flag_tiles,
+    first, step, seg_rows, total, row0, slot_rows, N, K, num_ctas,
+    HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    HALVES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
+    last = tl.load(control_ptr + set_index)
+    epoch = tl.where(last >= _EPOCH_WRAP, 1, last + 1)
+    blocks = tl.cdiv(seg_rows, BM)
+    num_m = world * blocks
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    per_group = GROUP_M * num_n
+    # Flattened (tile, K) loop: the next tile's loads are in flight during this tile's epilogue.
+    # An empty segment's tiles (a short replicated call) compute and store nothing: every store
+    # is masked off, and their flags are never waited for.
+    for tile in tl.range(tl.program_id(0), num_m * num_n, num_ctas, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
+        owner, m, pn = _tile_of(tile, rank, world, blocks, num_m, per_group, GROUP_M)
+        valid = min(seg_rows, total - owner * seg_rows) - m * BM  # rows of this tile to store
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(k_tiles):
+            a = a_desc.load([first + owner * step + m * BM, kt * BK])
+            b = b_desc.load([pn * BN, kt * BK])
+            acc = tl.dot(a, b.T, acc)
+        # Inbox slots are 256-byte aligned: said so, the stores become 16-byte vectors.
+        dst = tl.multiple_of(tl.load(slot_bases + owner).to(tl.pointer_type(out_dtype)), 16)
+        dst += (rank * slot_rows + row0 + m * BM).to(tl.int64) * N + pn * BN
+        if HALVES:  # two column halves: half the store addresses live at once
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            _store_tile(dst, left, bias_ptr, valid, pn * BN, N, HAS_BIAS, BM, BN // 2)
+            _store_tile(dst + BN // 2, right, bias_ptr, valid, pn * BN + BN // 2, N,
+                        HAS_BIAS, BM, BN // 2)
+        else:
+            _store_tile(dst, acc, bias_ptr, valid, pn * BN, N, HAS_BIAS, BM, BN)
+    # Publish once per CTA (a system-scope fence per tile cost 5-10 % of the GEMM, measured):
+    # every thread's stores visible system-wide (fence), the CTA synchronized, then one thread
+    # flags each of this CTA's tiles with plain stores.
+    done = tl.inline_asm_elementwise("fence.acq_rel.sys; bar.sync 0; mov.b32 $0, $1;", "=r,r",
+                                     [epoch], dtype=tl.int32, is_pure=False, pack=1)
+    for tile in range(tl.program_id(0), num_m * num_n, num_ctas):
+        owner, m, pn = _tile_of(tile, rank, world, blocks, num_m, per_group, GROUP_M)
+        flags = tl.load(flag_bases + owner).to(tl.pointer_type(tl.int32))
+        flag = flags + set_index * set_words + (rank * flag_blocks + m) * flag_tiles + pn
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
+            "=r,l,r", [flag, done], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int) -> None:
+    """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
+    segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
+    ctas: persistent CTAs (the SMs left to the GEMM)."""
+    t = seg.tiles
+    a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
+    tiles = inbox.world * seg.blocks() * t.col_tiles(weight.shape[0])
+    grid = max(1, min(ctas, tiles))
+    _owner_gemm_kernel[(grid,)](
+        a_desc, b_desc, bias if bias is not None else weight, inbox.slot_bases, inbox.flag_bases,
+        inbox.control, inbox.rank, inbox.world, set_index, inbox.set_words, inbox.flag_blocks,
+        inbox.flag_tiles, seg.first, seg.step, seg.rows, seg.total, seg.row0, inbox.slot_rows,
+        weight.shape[0], weight.shape[1], grid,
+        HAS_BIAS=bias is not None, OUT_BF16=x.dtype == torch.bfloat16,
+        BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
+        HALVES=t.block_cols >= 256, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps,
+        num_stages=t.stages)

@@ -1,0 +1,107 @@
+"""Where the communicating row-parallel GEMM's output rows go (the GEMM-fused mechanism).
+
+The rows of one call (one half of the woven schedule, or all rows) are split into P segments and
+rank c owns segment c: every rank's GEMM stores its partial rows of segment c into rank c's
+inbox, slot = its own rank, and rank c reduces them (csrc/include/tokenweave/gemm_reduce.cuh).
+
+- sequence parallel: segment c is chunk c's rows of the half (Megatron's shard of rank c), so the
+  owner reduces exactly the rows it keeps;
+- replicated: the half's rows cut into P runs of `rows` rows, a whole number of the GEMM's block
+  rows, so every output tile has one owner (the last runs may be short or empty).
+
+Pure Python: the CUDA launcher, the consumer's arguments and the CPU emulation
+(ops/gemm_emulation.py) all take their geometry from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_tokenweave.ops.validate import Layout
+
+# One flag per (source, block of BLOCK_ROWS rows, column tile of BLOCK_COLS): the inbox sizes its
+# flag array for the smallest tiles the GEMM takes.
+MIN_BLOCK_ROWS = 64
+MIN_BLOCK_COLS = 128
+MAX_BLOCK_ROWS = 128
+SETS = 2  # inbox sets: the woven schedule's halves (half B's GEMM beside half A's consumer)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """The GEMM's tile shape and pipeline (Triton meta-parameters)."""
+
+    block_rows: int
+    block_cols: int
+    block_k: int
+    stages: int
+    warps: int
+    group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
+    warp_specialize: bool = False  # Triton's producer/consumer warps for the tile loop
+
+    def col_tiles(self, hidden: int) -> int:
+        return -(-hidden // self.block_cols)
+
+
+LARGE = GemmTiles(block_rows=128, block_cols=256, block_k=64, stages=3, warps=8)
+SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4)
+
+
+def tiles_for(rows_per_rank: int) -> GemmTiles:
+    """Small tiles where each rank's rows fit one 64-row block (decode-sized calls), else the
+    128 x 256 tiles the persistent GEMM matches cuBLAS with."""
+    return SMALL if rows_per_rank <= SMALL.block_rows else LARGE
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One call's segments. Segment c holds input rows first + c * step + j for
+    j < length(c) (rows of x viewed as [chunks * chunk_rows, K]) and goes to inbox rows
+    row0 + j of rank c's slots."""
+
+    first: int
+    step: int
+    rows: int
+    total: int
+    row0: int
+    tiles: GemmTiles
+
+    def length(self, c: int) -> int:
+        """Rows of segment c (the last ones of a replicated call may be short or empty)."""
+        return max(0, min(self.rows, self.total - c * self.rows))
+
+    def blocks(self) -> int:
+        """Row blocks of a full segment (flags per source and column tile)."""
+        return -(-self.rows // self.tiles.block_rows)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def segments(layout: Layout, world: int, rows: int, *, first: int = 0, chunk_stride: int = 0,
+             chunk_row0: int = 0, set_index: int = 0, first_set_rows: int = 0) -> Segments:
+    """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
+    rows (replicated).
+
+    first / chunk_stride: where the call's rows are in the GEMM's input x [chunks * n, K]: rows
+        first + c * chunk_stride + j of chunk c (sequence parallel; replicated: first + j).
+    chunk_row0: sequence parallel: the call's first row within a chunk (the woven half's
+        offset); its rows keep that row index in the inbox, so the halves never overlap.
+    set_index / first_set_rows: replicated: the woven schedule's half B (set 1) is stored after
+        half A's segment rows (first_set_rows: half A's row count).
+    """
+    if layout is Layout.SEQUENCE_PARALLEL:
+        return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
+                        row0=chunk_row0, tiles=tiles_for(rows))
+    tiles = tiles_for(-(-rows // world))
+    seg = _round_up(max(1, -(-rows // world)), tiles.block_rows)
+    row0 = segments(layout, world, first_set_rows).rows if set_index else 0
+    return Segments(first=first, step=seg, rows=seg, total=rows, row0=row0, tiles=tiles)
+
+
+def slot_rows(max_tokens: int, world: int) -> int:
+    """Inbox rows per source slot that hold any call of up to max_tokens rows in both sets:
+    sequence parallel, one chunk (max_tokens / world); replicated, two halves' segments, each
+    rounded up to whole blocks."""
+    return -(-max_tokens // world) + 2 * MAX_BLOCK_ROWS

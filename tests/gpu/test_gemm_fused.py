@@ -1,0 +1,284 @@
+"""GPU tests of the GEMM-fused mechanism: the communicating row-parallel GEMM (its epilogue stores
+each tile into the owner's inbox and flags it) and the owner's reduction + residual + RMSNorm
+that waits on those flags (skip cleanly without a GPU).
+
+test_gemm_fused_protocol_one_gpu[2, 4, 8]: that many processes sharing GPU 0 (gloo + CUDA IPC),
+through the communicator (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`), against an expectation
+each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel's output):
+- both layouts; rows per chunk (sequence parallel) or in all (replicated) that are not tile
+  multiples (1, 7, 100, 300, 1000, 1031; 1, 100, 1031 at TP 4 and 8); K 1024 / 3584, hidden
+  4096 / 5120; bf16 and fp16;
+  bias on rank 0 or none; with and without the norm; one call (inbox set 0) or a split pair
+  (half A's consumer on a side stream beside half B's GEMM, sets 0 and 1);
+- outputs poisoned (NaN) before every call, so a row nobody wrote shows; results within a
+  rounding bound (one unit in the last place of every rank's partial sum and of the output);
+- a CUDA graph of a split pair replayed between eager calls of other shapes (fresh epochs per
+  replay), 60 times, checked every time;
+- a peer that never issues its GEMM: the others' consumers give up (NaN outputs) and the
+  communicator's error names the GEMM-fused reduction, the peer and the row block.
+Time-sliced ranks: functional only, never a performance figure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
+
+os.environ.update(NO_MULTICAST_ENV)
+
+EPS = 1e-5
+ROWS = (1, 7, 100, 300, 1000, 1031)
+ROWS_WIDE = (1, 100, 1031)  # at TP 4 and 8 (each rank computes every rank's partial sums)
+SHAPES = ((1024, 4096), (3584, 5120))  # (K, hidden)
+MAX_TOKENS = 8 * 1031 + 64
+
+
+def _skip_without_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from megatron_tokenweave import kernels
+
+    try:
+        kernels.load_extension()
+    except kernels.KernelUnavailableError as exc:
+        pytest.skip(f"kernel extension unavailable: {exc}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed")
+
+
+def _gen(seed: int, shape, dtype, dev) -> torch.Tensor:
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+
+class Case:
+    """One call (or split pair) of the mechanism on this rank, with its expectation."""
+
+    def __init__(self, comm, layout, n, k, dtype, seed, bias_on, norm_on, split):
+        from megatron_tokenweave.ops.validate import Layout
+        from megatron_tokenweave.schedule import Half
+
+        world, rank, dev = dist.get_world_size(comm.group), dist.get_rank(comm.group), comm.device
+        hidden = comm.hidden
+        self.comm, self.layout, self.n, self.dtype = comm, layout, n, dtype
+        self.world, self.rank = world, rank
+        self.sp = layout is Layout.SEQUENCE_PARALLEL
+        self.chunks = world if self.sp else 1
+        rows = self.chunks * n
+        xs = [_gen(seed + q, (rows, k), dtype, dev) for q in range(world)]
+        ws = [(_gen(seed + 50 + q, (hidden, k), torch.float32, dev) * k ** -0.5).to(dtype)
+              for q in range(world)]
+        self.bias = _gen(seed + 99, (hidden,), dtype, dev) if bias_on else None
+        self.x, self.w = xs[rank], ws[rank]
+        self.residual_all = _gen(seed + 98, (rows, hidden), dtype, dev)  # [C * n, H]
+        self.norm = (1.0 + 0.1 * _gen(seed + 97, (hidden,), torch.float32, dev)).to(dtype) \
+            if norm_on else None
+        y = self.residual_all.float()  # [C * n, H]
+        self.slack = torch.zeros_like(y)  # what rounding may move y by (see check)
+        for q in range(world):
+            p = xs[q].float() @ ws[q].float().t()
+            if q == 0 and self.bias is not None:
+                p += self.bias.float()
+            p = p.to(dtype).float()
+            y += p
+            self.slack += _ulp(p, dtype)
+        self.y = y
+        self.slack += _ulp(y, dtype)
+        self.normed_want = None
+        if norm_on:
+            rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + EPS)
+            self.normed_want = y * rstd * self.norm.float()
+            self.normed_slack = self.slack * rstd * self.norm.float().abs() + _ulp(
+                self.normed_want, dtype)
+        self.halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
+            Half(0, n),)
+        self.residual = self.residual_all.view(self.chunks, n, hidden)[rank if self.sp else 0]
+        self.residual_out = torch.empty(n, hidden, dtype=dtype, device=dev)
+        self.normed = comm.normed[:rows].view(self.chunks, n, hidden)
+        self.side = torch.cuda.Stream(device=dev)
+
+    def run(self, ctas_beside: int = 16) -> None:
+        """The layer's sequence: per half, its GEMM, then its consumer (on the side stream when
+        split, beside the next half's GEMM)."""
+        from megatron_tokenweave.ops.segments import segments
+
+        comm, world = self.comm, self.world
+        split = len(self.halves) > 1
+        sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
+        x3 = self.x.view(self.chunks, self.n, -1)
+        done = []
+        for i, h in enumerate(self.halves):
+            seg = segments(self.layout, world, h.rows, first=h.offset, chunk_stride=self.n,
+                           chunk_row0=h.offset, set_index=i, first_set_rows=self.halves[0].rows)
+            comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
+                          else None, seg, i, ctas=sms - (ctas_beside if split else 0))
+            part = comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)].view(
+                self.chunks, h.rows, -1)
+            rows = slice(h.offset, h.offset + h.rows)
+            args = (part, self.residual[rows], self.norm, EPS, self.residual_out[rows],
+                    h.of(self.normed) if self.norm is not None else None, self.layout)
+            if split:
+                ev = torch.cuda.Event()
+                ev.record()
+                self.side.wait_event(ev)
+                with torch.cuda.stream(self.side):
+                    comm.allreduce_rmsnorm(*args, ctas=ctas_beside, comm="gemm", segments=seg,
+                                           set_index=i)
+                    done.append(torch.cuda.Event())
+                    done[-1].record()
+            else:
+                comm.allreduce_rmsnorm(*args, ctas=64, comm="gemm", segments=seg, set_index=i)
+        for ev in done:
+            torch.cuda.current_stream().wait_event(ev)
+
+    def poison(self) -> None:
+        self.residual_out.fill_(float("nan"))
+        self.normed.fill_(float("nan"))
+
+    def check(self, what: str) -> None:
+        torch.cuda.synchronize()
+        hidden, n, rank = self.comm.hidden, self.n, self.rank
+        mine = slice(rank * n, (rank + 1) * n) if self.sp else slice(0, n)
+        got = self.residual_out.float()
+        assert not got.isnan().any(), f"{what}: residual_out rows left unwritten"
+        _within(got, self.y[mine], self.slack[mine], f"{what}: residual_out")
+        if self.normed_want is not None:
+            normed = self.normed.reshape(-1, hidden).float()
+            assert not normed.isnan().any(), f"{what}: normed rows left unwritten"
+            _within(normed, self.normed_want, self.normed_slack, f"{what}: normed")
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of |x| in `dtype` (bf16: 8 significant bits, fp16: 11)."""
+    bits = 8 if dtype == torch.bfloat16 else 11
+    _, exponent = torch.frexp(x.abs())
+    return torch.ldexp(torch.ones_like(x), exponent - bits)
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, slack: torch.Tensor, what: str) -> None:
+    """|got - want| within what rounding allows: one unit in the last place of every rank's
+    partial sum (the kernel's and torch's fp32 accumulation orders may round a partial sum to
+    neighbouring values) and of the result, plus 1e-4; the message locates the worst miss."""
+    err = (got - want).abs()
+    excess = err - slack - 1e-4
+    bad = int((excess > 0).sum())
+    if bad:
+        flat = int(excess.argmax())
+        row, col = divmod(flat, got.shape[-1])
+        raise AssertionError(
+            f"{what}: {bad} of {got.numel()} values beyond rounding; worst at row {row} col "
+            f"{col}: got {got.view(-1)[flat].item():.6f}, want {want.view(-1)[flat].item():.6f}, "
+            f"slack {slack.view(-1)[flat].item():.2e}; max |err| {err.max().item():.3e}")
+
+
+def _cases(comm, seed0: int):
+    seed = seed0
+    from megatron_tokenweave.ops.validate import Layout
+
+    world = dist.get_world_size(comm.group)
+    for layout, n, (k, hidden), dtype, split in itertools.product(
+            (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED), ROWS, SHAPES,
+            (torch.bfloat16, torch.float16), (False, True)):
+        if hidden != comm.hidden or dtype != comm.dtype or (world > 2 and n not in ROWS_WIDE):
+            continue
+        seed += 10
+        yield Case(comm, layout, n, k, dtype, seed, bias_on=seed % 20 == 0,
+                   norm_on=seed % 30 != 0, split=split)
+
+
+def _graph_replays(comm, others, rank) -> int:
+    """A split pair captured once, replayed between eager calls of other cases."""
+    from megatron_tokenweave.bench.timing import capture_graph
+    from megatron_tokenweave.ops.validate import Layout
+
+    case = Case(comm, Layout.REPLICATED, 777, 1024, comm.dtype, 4242, True, True, True)
+    case.run()  # eager warm-up: Triton compiles outside the capture
+    graph = capture_graph(case.run)
+    replays = 0
+    for i in range(60):
+        case.poison()
+        graph.replay()
+        case.check(f"rank {rank} graph replay {i}")
+        other = others[i % len(others)]
+        other.poison()
+        other.run()
+        other.check(f"rank {rank} eager between replays {i}")
+        replays += 1
+    return replays
+
+
+def _peer_never_arrives(group, rank, world, dev) -> None:
+    """The last rank never issues its GEMM or consumer: every other rank's consumer gives up,
+    its outputs are NaN and the error names the GEMM-fused reduction and the missing peer."""
+    from megatron_tokenweave.communicator import Communicator
+    from megatron_tokenweave.ops.validate import Layout
+
+    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "2"
+    comm = Communicator(group, 2048, 4096, torch.bfloat16, dev, "kernel")
+    comm.prepare_gemm()
+    missing = world - 1
+    case = Case(comm, Layout.SEQUENCE_PARALLEL, 256, 1024, torch.bfloat16, 77, False, True,
+                False)
+    if rank != missing:
+        case.poison()
+        case.run()
+        torch.cuda.synchronize()
+        assert case.residual_out.isnan().all(), "outputs not poisoned after the timeout"
+        with pytest.raises(RuntimeError, match=f"peer rank {missing} never arrived at the "
+                           "GEMM-fused reduction .*row block 0"):
+            comm.symmetric.check_error()
+    dist.barrier(group=group)
+    comm.destroy()
+    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    from megatron_tokenweave.communicator import Communicator, destroy_communicators
+
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    group, dev = dist.group.WORLD, torch.device("cuda", 0)
+    t0, ncases = time.time(), 0
+    eager = {}
+    for (_, hidden), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
+        comm = Communicator(group, MAX_TOKENS, hidden, dtype, dev, "kernel")
+        comm.prepare_gemm()
+        cases = list(_cases(comm, 1000 * ncases))
+        for case in cases:
+            for repeat in range(2):  # the second call: the next epoch of the same set
+                case.poison()
+                case.run()
+                case.check(f"{world}-rank rank {rank} {dtype} {case.layout.value} n={case.n} "
+                           f"K={case.x.shape[1]} H={hidden} halves={len(case.halves)} "
+                           f"bias={case.bias is not None} norm={case.norm is not None} "
+                           f"call {repeat}")
+            ncases += 1
+        eager[(hidden, dtype)] = (comm, cases)
+    comm, cases = eager[(4096, torch.bfloat16)]
+    replays = _graph_replays(comm, cases[:6], rank)
+    comm.symmetric.check_error()
+    destroy_communicators()
+    _peer_never_arrives(group, rank, world, dev)
+    print(f"[rank {rank}/{world}] GEMM-fused protocol OK: {ncases} cases, {replays} graph "
+          f"replays, {time.time() - t0:.1f}s", flush=True)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gemm_fused_protocol_one_gpu(world):
+    """TP 2, 4 and 8 as processes sharing GPU 0."""
+    _skip_without_kernels()
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)

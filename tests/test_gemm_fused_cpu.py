@@ -1,0 +1,198 @@
+"""The GEMM-fused mechanism on CPU: its geometry (ops/segments.py), the emulation of its data
+movement against the pure-PyTorch reference (gloo ranks at TP 2, 4 and 8), and its bad input.
+
+Geometry: for both layouts, TP 2/4/8 and row counts around the tile sizes, every input row of a
+call goes to exactly one owner, each woven half keeps inbox rows of its own (sets 0 and 1 never
+overlap), every call of up to max_tokens rows fits a slot and its flag blocks. Emulation: the
+communicating GEMM + its consumer (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`) equal
+x @ W^T summed over ranks (+ bias once) + residual, normed, computed by the reference op, for a
+whole call and for split halves; outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from _dist import run_ranks
+
+from megatron_tokenweave.communicator import Communicator, WorkspaceCapacityError
+from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
+from megatron_tokenweave.ops.segments import (
+    MIN_BLOCK_ROWS,
+    SMALL,
+    segments,
+    slot_rows,
+    tiles_for,
+)
+from megatron_tokenweave.schedule import Half
+
+ROWS = (1, 2, 7, 63, 64, 65, 127, 128, 129, 1000, 1031, 4096)
+LAYOUTS = (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED)
+EPS = 1e-5
+
+
+def _halves(n: int, split: bool) -> tuple[Half, ...]:
+    return (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (Half(0, n),)
+
+
+def _calls(layout: Layout, world: int, n: int, split: bool):
+    """(half, segments) of each call of one woven forward with n rows a chunk."""
+    halves = _halves(n, split)
+    return [(h, segments(layout, world, h.rows, first=h.offset, chunk_stride=n,
+                         chunk_row0=h.offset, set_index=i, first_set_rows=halves[0].rows))
+            for i, h in enumerate(halves)]
+
+
+@pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
+def test_segments_cover_every_row_once_and_halves_never_share_inbox_rows(layout, world):
+    chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
+    for n, split in itertools.product(ROWS, (False, True)):
+        calls = _calls(layout, world, n, split)
+        covered: list[int] = []
+        spans = []
+        for half, seg in calls:
+            for c in range(world):
+                start = seg.first + c * seg.step
+                covered += range(start, start + seg.length(c))
+            if layout is Layout.SEQUENCE_PARALLEL:
+                assert all(seg.length(c) == half.rows for c in range(world))
+            else:
+                assert seg.rows % seg.tiles.block_rows == 0
+                assert sum(seg.length(c) for c in range(world)) == half.rows
+            spans.append(set(range(seg.row0, seg.row0 + seg.rows)))
+        want = sorted(c * n + r for c in range(chunks) for half, _ in calls
+                      for r in range(half.offset, half.offset + half.rows))
+        assert sorted(covered) == want, (n, split)
+        if len(spans) == 2:
+            assert not spans[0] & spans[1], (n, split)
+
+
+@pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
+def test_every_call_up_to_max_tokens_fits_a_slot_and_its_flags(layout, world):
+    max_tokens = 4096
+    capacity = slot_rows(max_tokens, world)
+    blocks = -(-capacity // MIN_BLOCK_ROWS)
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    for tokens in range(world if sp else 1, max_tokens + 1, 37 * world if sp else 37):
+        n = tokens // world if sp else tokens
+        for split in (False, True):
+            for _, seg in _calls(layout, world, n, split):
+                assert seg.row0 + seg.rows <= capacity, (tokens, split, seg)
+                assert seg.blocks() * seg.tiles.block_rows // MIN_BLOCK_ROWS <= blocks
+
+
+def test_small_calls_take_small_tiles():
+    assert tiles_for(1) is SMALL and tiles_for(64) is SMALL
+    assert tiles_for(65).block_rows == 128
+
+
+# --------------------------------------------------------------------------- emulation
+def _emulation_worker(rank: int, world: int) -> list[tuple]:
+    """Per case: (layout, rows, split, bias, max |got - want| of residual_out and normed)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    hidden, k = 32, 24
+    comm = Communicator(group, 8 * 130, hidden, torch.float32, torch.device("cpu"), "reference")
+    comm.prepare_gemm()
+    results = []
+    for layout, n, split, bias_on in itertools.product(LAYOUTS, (1, 7, 64, 130), (False, True),
+                                                       (False, True)):
+        sp = layout is Layout.SEQUENCE_PARALLEL
+        chunks = world if sp else 1
+        gen = torch.Generator().manual_seed(n * 7 + split)
+        xs = [torch.randn(chunks * n, k, generator=gen) for _ in range(world)]
+        ws = [torch.randn(hidden, k, generator=gen) for _ in range(world)]
+        bias = torch.randn(hidden, generator=gen) if bias_on else None
+        residual_all = torch.randn(chunks, n, hidden, generator=gen)
+        norm = 1.0 + torch.randn(hidden, generator=gen)
+        residual = residual_all[rank if sp else 0]
+        # The reference: this rank's partial sums, the reference op.
+        partial = (xs[rank] @ ws[rank].t()).view(chunks, n, hidden)
+        if bias is not None and rank == 0:
+            partial += bias
+        want_res = torch.empty(n, hidden)
+        want_normed = torch.empty(chunks, n, hidden)
+        fused_allreduce_rmsnorm_reference(partial, residual, norm, EPS, want_res, want_normed,
+                                          layout, group)
+        # The mechanism, half by half, into the communicator's buffers.
+        got_res = torch.full((n, hidden), float("nan"))
+        normed = comm.normed[:chunks * n].view(chunks, n, hidden)
+        normed.fill_(float("nan"))
+        for i, (h, seg) in enumerate(_calls(layout, world, n, split)):
+            comm.row_gemm(xs[rank], ws[rank], bias if rank == 0 else None, seg, i, ctas=1)
+            part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)].view(
+                chunks, h.rows, hidden)
+            rows = slice(h.offset, h.offset + h.rows)
+            comm.allreduce_rmsnorm(part, residual[rows], norm, EPS, got_res[rows],
+                                   h.of(normed), layout, comm="gemm", segments=seg, set_index=i)
+        results.append((layout.value, n, split, bias_on,
+                        (got_res - want_res).abs().max().item(),
+                        (normed - want_normed).abs().max().item()))
+    return results
+
+
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_emulation_equals_the_reference(world):
+    for rank_results in run_ranks(_emulation_worker, world=world):
+        assert len(rank_results) == 32
+        for layout, n, split, bias, err_res, err_normed in rank_results:
+            where = (layout, n, split, bias)
+            assert err_res <= 1e-5 and err_normed <= 1e-5, (where, err_res, err_normed)
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.fixture()
+def gemm_comm(single_rank_group):
+    return Communicator(single_rank_group, 256, 16, torch.float32, torch.device("cpu"),
+                        "reference")
+
+
+def _gemm_args(comm, **changes):
+    seg = segments(Layout.REPLICATED, 1, 8)
+    args = dict(x=torch.randn(8, 24), weight=torch.randn(16, 24), bias=None, segments=seg,
+                set_index=0)
+    args.update(changes)
+    return args
+
+
+def _row_gemm(comm, args):
+    comm.row_gemm(args["x"], args["weight"], args["bias"], args["segments"],
+                  args["set_index"], ctas=1)
+
+
+def test_row_gemm_before_prepare_raises(gemm_comm):
+    with pytest.raises(TokenWeaveInputError, match="prepare_gemm"):
+        _row_gemm(gemm_comm, _gemm_args(gemm_comm))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(x=torch.randn(8, 24, dtype=torch.float64)), "must be torch.float32"),
+    (dict(weight=torch.randn(16, 20)), r"weight must be \[16, 24\]"),
+    (dict(bias=torch.randn(8)), r"bias \[16\]"),
+    (dict(x=torch.randn(8, 20), weight=torch.randn(16, 20)), "multiple of 8"),
+    (dict(x=torch.randn(24, 8).t()), "contiguous"),
+    (dict(set_index=2), "set_index"),
+    (dict(x=torch.randn(4, 24)), "read input rows up to 8"),
+])
+def test_row_gemm_bad_input_raises(gemm_comm, change, match):
+    gemm_comm.prepare_gemm()
+    with pytest.raises(TokenWeaveInputError, match=match):
+        _row_gemm(gemm_comm, _gemm_args(gemm_comm, **change))
+
+
+def test_row_gemm_past_the_inbox_raises_capacity_error(gemm_comm):
+    gemm_comm.prepare_gemm()
+    seg = segments(Layout.REPLICATED, 1, 8, set_index=1, first_set_rows=slot_rows(256, 1))
+    with pytest.raises(WorkspaceCapacityError, match="exceed"):
+        _row_gemm(gemm_comm, _gemm_args(gemm_comm, segments=seg))
+
+
+def test_gemm_consumer_without_its_gemm_raises(gemm_comm):
+    part = gemm_comm.partial[:4].view(1, 4, 16)
+    residual, out = torch.randn(4, 16), torch.empty(4, 16)
+    with pytest.raises(TokenWeaveInputError, match="consumes a row_gemm call"):
+        gemm_comm.allreduce_rmsnorm(part, residual, None, EPS, out, None, Layout.REPLICATED,
+                                    comm="gemm")
