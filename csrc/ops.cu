@@ -57,11 +57,11 @@ struct Communicator {
   std::vector<int64_t> peer_data, mirrors;
   int64_t mirror_bytes = 0;
   // GEMM-fused path (comm_attach_inbox): this rank's inbox (megatron_tokenweave/kernels/inbox.py
-  // lays it out): slots of `slot_rows` rows (the last ones its sink) at `inbox_data`, flags of
-  // set s at `inbox_flags + s * flag_set_words` ([world][blocks][tiles] words), then epoch[2]
-  // and done[2] words at `inbox_control`.
-  int64_t inbox_data = 0, slot_rows = 0, inbox_flags = 0, flag_set_words = 0, inbox_control = 0;
-  int64_t flag_blocks = 0, flag_tiles = 0;
+  // lays it out): slots of `slot_rows` rows of `row_bytes` at `inbox_data`, flags of set s at
+  // `inbox_flags + s * flag_set_words` ([world][blocks][tiles] words), then epoch[2] and
+  // done[2] words at `inbox_control`.
+  int64_t inbox_data = 0, slot_rows = 0, row_bytes = 0, inbox_flags = 0, flag_set_words = 0;
+  int64_t inbox_control = 0, flag_blocks = 0, flag_tiles = 0;
 };
 
 // Bits of comm_create's `flags`.
@@ -354,6 +354,9 @@ void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t cta
                         cudaStream_t stream) {
   TORCH_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
               "inbox (comm_attach_inbox)");
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  TORCH_CHECK(row_bytes == c.row_bytes, "tokenweave: rows of ", row_bytes, " bytes, the inbox "
+              "holds rows of ", c.row_bytes, " (another hidden size or dtype)");
   TORCH_CHECK(set == 0 || set == 1, "tokenweave: inbox set must be 0 or 1, got ", set);
   TORCH_CHECK(block_rows >= 1 && col_tiles >= 1 && col_tiles <= c.flag_tiles,
               "tokenweave: block_rows must be positive and col_tiles in 1..", c.flag_tiles);
@@ -372,7 +375,6 @@ void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t cta
                 ") must cover the ", p.rows, " rows and be whole blocks of ", block_rows);
   }
   InboxParams g{};
-  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   g.data = reinterpret_cast<const char*>(c.inbox_data);
   g.slot_bytes = c.slot_rows * row_bytes;
   g.row0 = static_cast<int>(row0);
@@ -530,16 +532,18 @@ void comm_attach_mirror(int64_t handle, const at::Tensor& sources, const at::Ten
 
 // The GEMM-fused path's inbox (a second peer-mapped buffer, laid out by Python: see the
 // Communicator's fields). The GEMMs of every rank store into it; the consumer reads it.
-void comm_attach_inbox(int64_t handle, int64_t data, int64_t slot_rows, int64_t flags,
-                       int64_t flag_blocks, int64_t flag_tiles, int64_t control) {
+void comm_attach_inbox(int64_t handle, int64_t data, int64_t slot_rows, int64_t row_bytes,
+                       int64_t flags, int64_t flag_blocks, int64_t flag_tiles, int64_t control) {
   Communicator& c = comm_of(handle);
   TORCH_CHECK(data != 0 && flags != 0 && control != 0 && data % kVecBytes == 0 &&
                   flags % 4 == 0 && control % 4 == 0,
               "tokenweave: inbox addresses must be non-null and aligned");
-  TORCH_CHECK(slot_rows >= 1 && flag_blocks >= 1 && flag_tiles >= 1,
-              "tokenweave: inbox sizes must be positive");
+  TORCH_CHECK(slot_rows >= 1 && row_bytes >= kVecBytes && row_bytes % kVecBytes == 0 &&
+                  flag_blocks >= 1 && flag_tiles >= 1,
+              "tokenweave: inbox sizes must be positive (rows whole 16-byte vectors)");
   c.inbox_data = data;
   c.slot_rows = slot_rows;
+  c.row_bytes = row_bytes;
   c.inbox_flags = flags;
   c.flag_blocks = flag_blocks;
   c.flag_tiles = flag_tiles;
@@ -619,8 +623,8 @@ TORCH_LIBRARY(tokenweave, m) {
       "comm_attach_mirror(int comm, Tensor sources, Tensor mirror, int[] peer_data, "
       "int[] mirrors, int mirror_bytes) -> ()");
   m.def(
-      "comm_attach_inbox(int comm, int data, int slot_rows, int flags, int flag_blocks, "
-      "int flag_tiles, int control) -> ()",
+      "comm_attach_inbox(int comm, int data, int slot_rows, int row_bytes, int flags, "
+      "int flag_blocks, int flag_tiles, int control) -> ()",
       &tokenweave::comm_attach_inbox);
   m.def("comm_destroy(int comm) -> ()", &tokenweave::comm_destroy);
   m.def("comm_copy_errors(int comm, Tensor(a!) host) -> ()", &tokenweave::comm_copy_errors);

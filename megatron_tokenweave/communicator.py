@@ -342,6 +342,7 @@ class Communicator:
         if self.backend == "kernel":
             from megatron_tokenweave.kernels.inbox import GemmInbox
 
+            _check_gemm_support(self.device)
             self._inbox = GemmInbox.create(self.group, self.max_tokens, self.hidden, self.dtype,
                                            self.device, self.agreement.timeout_s)
             self._inbox.attach(self.kernel.handle)
@@ -409,6 +410,11 @@ class Communicator:
                 raise TokenWeaveInputError(
                     "comm='gemm' consumes a row_gemm call: pass its segments (after "
                     "prepare_gemm())")
+            rows = partial.shape[0] * partial.shape[1]
+            if seg.total != rows:
+                raise TokenWeaveInputError(
+                    f"comm='gemm': the segments cover {seg.total} rows, this call has {rows}: "
+                    "pass the segments of the row_gemm call that made its rows")
         if self.backend == "kernel":
             self.kernel.reduce_owned(partial, residual, weight, eps, residual_out, normed_out,
                                      layout, seg, set_index, ctas=ctas, validate=validate)
@@ -474,6 +480,19 @@ class Communicator:
             self.symmetric = None
         self._mirror = None
         self._errors = None
+
+
+def _check_gemm_support(device: torch.device) -> None:
+    """The GEMM-fused mechanism's kernel needs Triton and TMA (sm_90 or newer): a clear error
+    on every rank before its inbox is made (every rank of a node has the same GPUs)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise TokenWeaveInputError(f"comm='gemm' needs triton ({exc})") from None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise TokenWeaveInputError(
+            f"comm='gemm' needs TMA (sm_90 or newer); this GPU is sm_{major}{minor}")
 
 
 _communicators: dict[tuple, Communicator] = {}

@@ -83,8 +83,8 @@ def record_gemm_calls() -> Iterator[list[tuple]]:
 
     def allreduce(self, *args, **kwargs):
         seg = kwargs.get("segments")
-        if kwargs.get("comm") == "gemm":
-            calls.append(("reduce", kwargs["set_index"], seg.row0, seg.rows, seg.total))
+        if kwargs.get("comm") == "gemm" and seg is not None:
+            calls.append(("reduce", kwargs.get("set_index", 0), seg.row0, seg.rows, seg.total))
         return fused(self, *args, **kwargs)
 
     Communicator.row_gemm, Communicator.allreduce_rmsnorm = row_gemm, allreduce

@@ -83,6 +83,18 @@ def test_every_call_up_to_max_tokens_fits_a_slot_and_its_flags(layout, world):
                 assert seg.blocks() * seg.tiles.block_rows // MIN_BLOCK_ROWS <= blocks
 
 
+@pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
+def test_nonempty_blocks_are_the_first_ones_in_owner_order(layout, world):
+    """The GEMM enumerates row blocks 0 .. nonempty_blocks() - 1 as (owner, block) =
+    divmod(g, blocks()): those are exactly the blocks that hold rows."""
+    for n in ROWS:
+        for _, seg in _calls(layout, world, n, split=True):
+            bm, blocks = seg.tiles.block_rows, seg.blocks()
+            holding = [(c, m) for c in range(world) for m in range(blocks)
+                       if m * bm < seg.length(c)]
+            assert holding == [divmod(g, blocks) for g in range(seg.nonempty_blocks(world))]
+
+
 def test_small_calls_take_small_tiles():
     assert tiles_for(1) is SMALL and tiles_for(64) is SMALL
     assert tiles_for(65).block_rows == 128
@@ -188,6 +200,15 @@ def test_row_gemm_past_the_inbox_raises_capacity_error(gemm_comm):
     seg = segments(Layout.REPLICATED, 1, 8, set_index=1, first_set_rows=slot_rows(256, 1))
     with pytest.raises(WorkspaceCapacityError, match="exceed"):
         _row_gemm(gemm_comm, _gemm_args(gemm_comm, segments=seg))
+
+
+def test_gemm_consumer_of_another_call_raises(gemm_comm):
+    gemm_comm.prepare_gemm()
+    part = gemm_comm.partial[:4].view(1, 4, 16)
+    residual, out = torch.randn(4, 16), torch.empty(4, 16)
+    with pytest.raises(TokenWeaveInputError, match="cover 8 rows, this call has 4"):
+        gemm_comm.allreduce_rmsnorm(part, residual, None, EPS, out, None, Layout.REPLICATED,
+                                    comm="gemm", segments=segments(Layout.REPLICATED, 1, 8))
 
 
 def test_gemm_consumer_without_its_gemm_raises(gemm_comm):

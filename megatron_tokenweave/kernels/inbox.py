@@ -103,8 +103,8 @@ class GemmInbox:
         """Hand the inbox to the C++ communicator (its consumer reads this rank's part)."""
         base = self.local_base
         torch.ops.tokenweave.comm_attach_inbox(
-            handle, base + self.slots_off, self.slots.shape[1], base, self.flag_blocks,
-            self.flag_tiles, base + self.control_off)
+            handle, base + self.slots_off, self.slot_rows, self.hidden * self.slots.element_size(),
+            base, self.flag_blocks, self.flag_tiles, base + self.control_off)
 
     def close(self) -> None:
         """Free the regions (a collective for `create`'s)."""

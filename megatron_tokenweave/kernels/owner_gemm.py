@@ -2,19 +2,19 @@
 stores every output tile straight into the inbox of the rank that owns its rows and publishes it
 with an epoch-tagged flag, so the reduce-scatter happens inside the GEMM, on no extra SMs.
 
-Why Triton: a persistent Triton GEMM with TMA loads runs the row-parallel shapes of Llama-70B
-at 0.97-1.07x of cuBLAS on an H200 (DEVICE.md), and its epilogue is ordinary code we own
-(16-byte stores to any rank's mapped address, a fence and flag stores), where cuBLAS's epilogue
-is closed and a CUTLASS collective would need a custom epilogue visitor per layout. Measured on
-one H200 (docs/kernel.md): the stores cost 1-5 % against the same kernel storing nothing, TMA
-stores through descriptors built in the kernel were slower than register stores, and a
-system-scope fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once,
-after its last tile. Protocol and geometry: ops/segments.py, csrc/include/tokenweave/
-gemm_reduce.cuh.
+Why Triton: a persistent Triton GEMM with TMA loads ran the row-parallel shapes of Llama-70B
+at 0.97-1.07x of cuBLAS on an H200 before any epilogue work, and its epilogue is ordinary code
+we own (16-byte stores to any rank's mapped address, a fence and flag stores), where cuBLAS's
+epilogue is closed and a CUTLASS collective would need a custom epilogue visitor per layout.
+docs/kernel.md has the measurements that shaped it: with the stores and flags it runs at
+0.87-1.02x of cuBLAS at 1K-8K tokens; TMA stores through descriptors built in the kernel were
+slower than register stores, and a system-scope fence per tile cost 5-10 %, so each CTA
+publishes the flags of all its tiles once, after its last tile. Protocol and geometry:
+ops/segments.py, csrc/include/tokenweave/gemm_reduce.cuh.
 
 Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row
-blocks (weight tiles reused in L2), segments in the order rank + 1, rank + 2, ..., rank (each rank
-writes a different peer first; its own rows last). The GEMM never waits: its stores into a set's
+blocks (weight tiles reused in L2), over the call's non-empty row blocks from segment rank + 1's
+on (each rank writes a different peer first). The GEMM never waits: its stores into a set's
 rows are ordered after that set's previous consumer by the caller (the woven schedule's data
 dependencies), and that consumer's END barrier means every owner finished reading them.
 """
@@ -47,41 +47,45 @@ def _store_tile(dst, acc, bias_ptr, valid_rows, col0, N, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _tile_of(tile, rank, world, blocks, num_m, per_group, GROUP_M: tl.constexpr):
+def _tile_of(tile, start, blocks, num_m, per_group, GROUP_M: tl.constexpr):
     """(owner, row block within its segment, column tile) of a linear tile index: grouped
-    order (GROUP_M row blocks share the weight tiles in L2), segments from rank + 1 on."""
+    order (GROUP_M row blocks share the weight tiles in L2) over the call's non-empty row blocks
+    (segment c's at c * blocks + m), rotated to begin at `start` (segment rank + 1's)."""
     group = tile // per_group
     first_m = group * GROUP_M
     group_size = min(num_m - first_m, GROUP_M)
-    vm = first_m + (tile % per_group) % group_size
+    vm = (first_m + (tile % per_group) % group_size + start) % num_m
     pn = (tile % per_group) // group_size
-    order = vm // blocks
-    return (rank + 1 + order) % world, vm - order * blocks, pn
+    return vm // blocks, vm % blocks, pn
 
 
-@triton.jit
+# The call's geometry changes from call to call: not specialized (no recompilation per token
+# count; N and K stay specialized, their divisibility gives the 16-byte stores).
+_PER_CALL = ("rank", "set_index", "first", "step", "seg_rows", "total", "row0", "num_m",
+             "start", "num_ctas")
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
 def _owner_gemm_kernel(
     a_desc, b_desc, bias_ptr, slot_bases, flag_bases, control_ptr,
-    rank, world, set_index, set_words, flag_blocks, flag_tiles,
-    first, step, seg_rows, total, row0, slot_rows, N, K, num_ctas,
+    rank, set_index, set_words, flag_blocks, flag_tiles,
+    first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
     HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     last = tl.load(control_ptr + set_index)
     epoch = tl.where(last >= _EPOCH_WRAP, 1, last + 1)
     blocks = tl.cdiv(seg_rows, BM)
-    num_m = world * blocks
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     per_group = GROUP_M * num_n
     # Flattened (tile, K) loop: the next tile's loads are in flight during this tile's epilogue.
-    # An empty segment's tiles (a short replicated call) compute and store nothing: every store
-    # is masked off, and their flags are never waited for.
-    for tile in tl.range(tl.program_id(0), num_m * num_n, num_ctas, flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):
-        owner, m, pn = _tile_of(tile, rank, world, blocks, num_m, per_group, GROUP_M)
+    # Only non-empty row blocks are tiles (num_m of them); rows past a segment's end in its last
+    # block are computed and masked off.
+    for tile in tl.range(tl.program_id(0), num_m * num_n, num_ctas, flatten=True):
+        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
         valid = min(seg_rows, total - owner * seg_rows) - m * BM  # rows of this tile to store
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(k_tiles):
@@ -99,12 +103,13 @@ def _owner_gemm_kernel(
         else:
             _store_tile(dst, acc, bias_ptr, valid, pn * BN, N, HAS_BIAS, BM, BN)
     # Publish once per CTA (a system-scope fence per tile cost 5-10 % of the GEMM, measured):
-    # every thread's stores visible system-wide (fence), the CTA synchronized, then one thread
-    # flags each of this CTA's tiles with plain stores.
-    done = tl.inline_asm_elementwise("fence.acq_rel.sys; bar.sync 0; mov.b32 $0, $1;", "=r,r",
+    # the CTA synchronizes, then a fence makes every store it ordered visible system-wide
+    # (cumulative through the barrier), then one thread flags each of this CTA's tiles; a
+    # fence followed by a relaxed store is a release.
+    done = tl.inline_asm_elementwise("bar.sync 0; fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r",
                                      [epoch], dtype=tl.int32, is_pure=False, pack=1)
     for tile in range(tl.program_id(0), num_m * num_n, num_ctas):
-        owner, m, pn = _tile_of(tile, rank, world, blocks, num_m, per_group, GROUP_M)
+        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
         flags = tl.load(flag_bases + owner).to(tl.pointer_type(tl.int32))
         flag = flags + set_index * set_words + (rank * flag_blocks + m) * flag_tiles + pn
         tl.inline_asm_elementwise(
@@ -118,17 +123,19 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
     ctas: persistent CTAs (the SMs left to the GEMM)."""
+    num_m = seg.nonempty_blocks(inbox.world)
+    if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
+        return
     t = seg.tiles
     a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
-    tiles = inbox.world * seg.blocks() * t.col_tiles(weight.shape[0])
-    grid = max(1, min(ctas, tiles))
+    grid = max(1, min(ctas, num_m * t.col_tiles(weight.shape[0])))
+    start = (inbox.rank + 1) % inbox.world * seg.blocks()
     _owner_gemm_kernel[(grid,)](
         a_desc, b_desc, bias if bias is not None else weight, inbox.slot_bases, inbox.flag_bases,
-        inbox.control, inbox.rank, inbox.world, set_index, inbox.set_words, inbox.flag_blocks,
+        inbox.control, inbox.rank, set_index, inbox.set_words, inbox.flag_blocks,
         inbox.flag_tiles, seg.first, seg.step, seg.rows, seg.total, seg.row0, inbox.slot_rows,
-        weight.shape[0], weight.shape[1], grid,
+        num_m, start, weight.shape[0], weight.shape[1], grid,
         HAS_BIAS=bias is not None, OUT_BF16=x.dtype == torch.bfloat16,
         BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
-        HALVES=t.block_cols >= 256, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps,
-        num_stages=t.stages)
+        HALVES=t.block_cols >= 256, num_warps=t.warps, num_stages=t.stages)

@@ -7,7 +7,8 @@ inbox, slot = its own rank, and rank c reduces them (csrc/include/tokenweave/gem
 - sequence parallel: segment c is chunk c's rows of the half (Megatron's shard of rank c), so the
   owner reduces exactly the rows it keeps;
 - replicated: the half's rows cut into P runs of `rows` rows, a whole number of the GEMM's block
-  rows, so every output tile has one owner (the last runs may be short or empty).
+  rows, so only the last non-empty run has a partial block (the GEMM computes no rows it
+  throws away elsewhere); the last runs may be short or empty.
 
 Pure Python: the CUDA launcher, the consumer's arguments and the CPU emulation
 (ops/gemm_emulation.py) all take their geometry from here.
@@ -37,7 +38,6 @@ class GemmTiles:
     stages: int
     warps: int
     group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
-    warp_specialize: bool = False  # Triton's producer/consumer warps for the tile loop
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
@@ -73,6 +73,12 @@ class Segments:
     def blocks(self) -> int:
         """Row blocks of a full segment (flags per source and column tile)."""
         return -(-self.rows // self.tiles.block_rows)
+
+    def nonempty_blocks(self, world: int) -> int:
+        """Row blocks holding rows, all segments together: segment c's are c * blocks() ...
+        (every segment but the last non-empty one is full)."""
+        bm = self.tiles.block_rows
+        return sum(-(-self.length(c) // bm) for c in range(world))
 
 
 def _round_up(n: int, m: int) -> int:

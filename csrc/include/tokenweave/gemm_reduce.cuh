@@ -7,9 +7,10 @@
 // Rows of one call are split into P segments; rank c owns segment c (sequence parallel: chunk c's
 // rows of this half; replicated: `seg_rows` rows of the half, a multiple of the GEMM's block
 // rows). Every rank's GEMM stores the output tile of (segment c, row block m, column tile n) into
-// rank c's inbox, slot `src` (its own rank), rows row0 + m * BM ..., then publishes it: the CTA
-// synchronizes and one thread does st.release.sys flag[set][src][m][n] = e into rank c's inbox
-// header. `e` is the set's epoch: every rank keeps epoch[set] in its own inbox header, the GEMM
+// rank c's inbox, slot `src` (its own rank), rows row0 + m * BM ..., and after its last tile each
+// CTA publishes its tiles: bar.sync, fence.acq_rel.sys, then one thread stores
+// flag[set][src][m][n] = e into each owner's inbox (st.relaxed.sys; the fence makes it a
+// release). `e` is the set's epoch: every rank keeps epoch[set] in its own inbox, the GEMM
 // stores with epoch[set] + 1 and the consumer's last CTA writes that value back when the call is
 // over, so ranks that make the same calls in the same order stay in step (CUDA graphs replay
 // with fresh epochs, as the kernel reads them from memory). Two sets (the woven schedule's
@@ -71,7 +72,8 @@ __device__ __forceinline__ bool wait_block(const FusedParams& p, const InboxPara
   const int n = p.world * g.col_tiles;
   for (int i = threadIdx.x; i < n && !fail; i += blockDim.x) {
     const int q = i / g.col_tiles, t = i - q * g.col_tiles;
-    const uint32_t* flag = g.flags + q * g.src_stride + static_cast<int64_t>(blk) * g.tiles_stride + t;
+    const uint32_t* flag =
+        g.flags + q * g.src_stride + static_cast<int64_t>(blk) * g.tiles_stride + t;
     const uint64_t t0 = global_timer_ns();
     uint32_t spins = 0;
     while (ld_acquire_sys(flag) != e) {
