@@ -40,6 +40,8 @@
 #   gemm   the GEMM-fused mechanism on one GPU: its protocol with 2, 4 and 8 ranks sharing the GPU,
 #          the woven layer's parity with it (ranks sharing the GPU), and the communicating GEMM
 #          against cuBLAS / TE (bench gemm_fused; TE rows where `stage.sh te` was carried)
+#   gemm2  the GEMM-fused mechanism on 2 GPUs: its protocol test across NVLink, then the row GEMM +
+#          all-reduce + norm per mechanism (bench gemm_pair), both layouts, 512-8K tokens
 #   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
 #          32 and 256 generated tokens per prompt (flash-attn-4 staged)
 set -u
@@ -63,6 +65,11 @@ case "$phase" in
     TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
     TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused \
       --out "$out/gemm_fused_1gpu.json"
+    ;;
+  gemm2)
+    TAIL=6 step gemm_two_gpus 300 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py -k two_gpus
+    TAIL=24 step gemm_pair 420 python -m megatron_tokenweave.bench gemm_pair \
+      --out "$out/gemm_pair_tp2.json"
     ;;
   tune)
     TAIL=14 step tune70b 520 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 460

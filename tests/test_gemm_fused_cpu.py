@@ -155,6 +155,28 @@ def test_emulation_equals_the_reference(world):
             assert err_res <= 1e-5 and err_normed <= 1e-5, (where, err_res, err_normed)
 
 
+def _pair_worker(rank: int, world: int) -> list[tuple]:
+    """The 2-GPU pair benchmark's plans, run once each on gloo ranks (the emulation): which
+    differ from cuBLAS + collectives + norm."""
+    import torch.distributed as dist
+
+    from megatron_tokenweave.bench.gemm_pair import Pair
+
+    comm = Communicator(dist.group.WORLD, 8 * 33, 32, torch.float32, torch.device("cpu"),
+                        "reference")
+    comm.prepare_gemm()
+    return [(layout.value, tokens, Pair(comm, layout, tokens, 24, seed=tokens).check())
+            for layout in LAYOUTS for tokens in (2 * world, 6 * world + world * 33 // 2)]
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_pair_benchmark_plans_agree(world):
+    """Every plan of `bench gemm_pair` (cuBLAS + fused op, the GEMM-fused mechanism, each whole
+    and split) computes what cuBLAS + collectives + norm computes."""
+    for rank_results in run_ranks(_pair_worker, world=world):
+        assert [bad for *_, bad in rank_results] == [[]] * 4, rank_results
+
+
 # --------------------------------------------------------------------------- bad input
 @pytest.fixture()
 def gemm_comm(single_rank_group):

@@ -16,6 +16,7 @@ COMMANDS = {  # one line each in --help (80 columns)
     "timeline": "both CUDA streams of one woven layer, as a picture (2 GPUs)",
     "split_cost": "what the token split costs the GEMMs (1 GPU)",
     "gemm_fused": "the communicating GEMM vs cuBLAS and TE's GEMM (1 GPU)",
+    "gemm_pair": "row GEMM + all-reduce + norm per mechanism, split or not (2 GPUs)",
 }
 
 

@@ -1,6 +1,7 @@
 """GPU tests of the GEMM-fused mechanism: the communicating row-parallel GEMM (its epilogue stores
 each tile into the owner's inbox and flags it) and the owner's reduction + residual + RMSNorm
-that waits on those flags (skip cleanly without a GPU).
+that waits on those flags (skip cleanly without a GPU). test_gemm_fused_two_gpus runs the same
+on two GPUs (NCCL group; skipped with fewer).
 
 test_gemm_fused_protocol_one_gpu[2, 4, 8]: that many processes sharing GPU 0 (gloo + CUDA IPC),
 through the communicator (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`), against an expectation
@@ -243,14 +244,17 @@ def _peer_never_arrives(group, rank, world, dev) -> None:
     os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, port: int, gpus: int) -> None:
+    """`world` ranks on `gpus` GPUs: one GPU shared over gloo, or one GPU each over NCCL."""
     from megatron_tokenweave.communicator import Communicator, destroy_communicators
 
     os.environ.update(NO_MULTICAST_ENV)
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    group, dev = dist.group.WORLD, torch.device("cuda", 0)
+    dev = torch.device("cuda", rank if gpus > 1 else 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if gpus > 1 else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev if gpus > 1 else None)
+    group = dist.group.WORLD
     t0, ncases = time.time(), 0
     eager = {}
     for (_, hidden), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
@@ -281,4 +285,12 @@ def _worker(rank: int, world: int, port: int) -> None:
 def test_gemm_fused_protocol_one_gpu(world):
     """TP 2, 4 and 8 as processes sharing GPU 0."""
     _skip_without_kernels()
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), 1), nprocs=world, join=True)
+
+
+def test_gemm_fused_two_gpus():
+    """The same cases on two GPUs over NVLink (NCCL group): the stores and flags cross GPUs."""
+    _skip_without_kernels()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    mp.spawn(_worker, args=(2, free_port(), 2), nprocs=2, join=True)
