@@ -30,7 +30,7 @@ def _bias(module: torch.nn.Module) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) and bias.numel() > 0 else None
 
 
-def _gemm_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+def gemm_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     """out[C, r, D] = x[C, r, H] @ weight[D, H]^T without copies: the chunk stride of x and out
     may exceed r rows (a half of every chunk), which a strided-batched GEMM takes as it is."""
     if x.shape[0] == 1:
@@ -72,7 +72,7 @@ class Weave:
             if self.before is not None:
                 self.before(i)
             dst = half.of(out)
-            _gemm_into(half.of(x3), weight, dst)
+            gemm_into(half.of(x3), weight, dst)
             if use_bias is not None:
                 dst.add_(use_bias)
         return out.view(*x.shape[:-1], weight.shape[0]), (bias if skip else None)
@@ -87,7 +87,7 @@ class Weave:
                 self.gemm(i, x3, half, weight, bias if self.add_bias else None)
             else:
                 dst = self.partials[i]
-                _gemm_into(half.of(x3), weight, dst)
+                gemm_into(half.of(x3), weight, dst)
                 if bias is not None and self.add_bias:
                     dst.add_(bias)
             if self.after is not None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_tokenweave import moe
 from megatron_tokenweave.communicator import Communicator
 from megatron_tokenweave.linears import Weave, weaving
-from megatron_tokenweave.ops.segments import Segments, segments
+from megatron_tokenweave.ops.segments import Segments, half_segments
 from megatron_tokenweave.ops.validate import Layout, phases_apply
 from megatron_tokenweave.policy import Plan
 from megatron_tokenweave.schedule import Half, Handoff, Pending, SideStream
@@ -90,7 +90,7 @@ class WovenForward:
         # GEMM-fused mechanism: the segments of the GEMM just issued for each half (its consumer
         # takes the same), and the SMs the GEMM leaves to the other half's op.
         self.gemm_segments: list[Segments | None] = [None] * len(halves)
-        self.gemm_ctas = gemm_ctas(x.device, plan, self.split) if plan.comm == "gemm" else 0
+        self.gemm_ctas = gemm_ctas(x.device, plan, self.split) if self.fused_gemm else 0
 
     @property
     def fused_gemm(self) -> bool:
@@ -126,9 +126,8 @@ class WovenForward:
         """Half i's communicating GEMM (GEMM-fused mechanism) over rows `rows` of every chunk of
         x [chunks, n, K]: its tiles go to their owners' inbox set i, where half i's rows of the
         layer sit (the woven halves never share inbox rows)."""
-        seg = segments(self.layout, self.world, self.halves[i].rows, first=rows.offset,
-                       chunk_stride=x.shape[1], chunk_row0=self.halves[i].offset, set_index=i,
-                       first_set_rows=self.halves[0].rows)
+        seg = half_segments(self.layout, self.world, self.halves, i, first=rows.offset,
+                            chunk_stride=x.shape[1])
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
                            ctas=self.gemm_ctas, validate=self.validate)

@@ -22,6 +22,7 @@ from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduc
 from megatron_tokenweave.ops.segments import (
     MIN_BLOCK_ROWS,
     SMALL,
+    half_segments,
     segments,
     slot_rows,
     tiles_for,
@@ -40,8 +41,7 @@ def _halves(n: int, split: bool) -> tuple[Half, ...]:
 def _calls(layout: Layout, world: int, n: int, split: bool):
     """(half, segments) of each call of one woven forward with n rows a chunk."""
     halves = _halves(n, split)
-    return [(h, segments(layout, world, h.rows, first=h.offset, chunk_stride=n,
-                         chunk_row0=h.offset, set_index=i, first_set_rows=halves[0].rows))
+    return [(h, half_segments(layout, world, halves, i, first=h.offset, chunk_stride=n))
             for i, h in enumerate(halves)]
 
 

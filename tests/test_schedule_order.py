@@ -63,7 +63,7 @@ def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40) 
         if event is not None:
             log.append(("wait", event))
 
-    def gemm(x, weight, out, original=linears_mod._gemm_into):
+    def gemm(x, weight, out, original=linears_mod.gemm_into):
         log.append(("gemm", names[weight.data_ptr()], out.shape[1]))
         return original(x, weight, out)
 
@@ -76,7 +76,7 @@ def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40) 
 
     patches = [
         (SideStream, "run", run), (SideStream, "record", record),
-        (SideStream, "wait", staticmethod(wait)), (linears_mod, "_gemm_into", gemm),
+        (SideStream, "wait", staticmethod(wait)), (linears_mod, "gemm_into", gemm),
         (Communicator, "allreduce_rmsnorm", fused),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

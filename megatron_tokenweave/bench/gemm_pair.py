@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.split_cost import layer_gemms
+from megatron_tokenweave.linears import gemm_into
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import segments
+from megatron_tokenweave.ops.segments import half_segments
 from megatron_tokenweave.ops.validate import Layout
 from megatron_tokenweave.schedule import Half, SideStream
 
@@ -91,14 +92,12 @@ class Pair:
             part = part.view(self.chunks, h.rows, -1)
             seg = None
             if gemm:
-                seg = segments(self.layout, self.world, h.rows, first=h.offset, chunk_stride=n,
-                               chunk_row0=h.offset, set_index=i, first_set_rows=halves[0].rows)
+                seg = half_segments(self.layout, self.world, halves, i, first=h.offset,
+                                    chunk_stride=n)
                 self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False,
                                    ctas=self.sms - (CTAS_BESIDE if len(halves) > 1 else 0))
-            elif self.chunks == 1:
-                torch.matmul(h.of(x3)[0], self.w.t(), out=part[0])
             else:
-                torch.bmm(h.of(x3), self.w.t().expand(self.chunks, -1, -1), out=part)
+                gemm_into(h.of(x3), self.w, part)
             rows = slice(h.offset, h.offset + h.rows)
             op = dict(comm="gemm" if gemm else "fused", segments=seg, set_index=i,
                       validate=False)

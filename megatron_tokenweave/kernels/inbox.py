@@ -32,17 +32,9 @@ from megatron_tokenweave.ops.segments import (
 _ALIGN = 256
 
 
-def _view(address: int, like: torch.Tensor) -> torch.Tensor:
-    """A tensor shaped like `like` at a device address (a peer's mapped inbox)."""
-    nbytes = like.numel() * like.element_size()
-    raw = torch.ops.tokenweave.tensor_from_ptr(address, nbytes, like.device.index)
-    return raw.view(like.dtype).view(like.shape)
-
-
 class GemmInbox:
-    """Every rank's inbox region as this rank addresses it: `owner_slots` (each rank's slots),
-    `slot_bases` / `flag_bases` (device int64 [world]: each rank's slots and flags), this rank's
-    `control` words and `slots` view."""
+    """Every rank's inbox region as this rank addresses it: `slot_bases` / `flag_bases` (device
+    int64 [world]: each rank's slots and flags), this rank's `control` words and `slots` view."""
 
     def __init__(self, world: int, rank: int, max_tokens: int, hidden: int, dtype: torch.dtype,
                  map_regions: Callable[[int], tuple[list[int], list[torch.Tensor | None]]],
@@ -65,10 +57,11 @@ class GemmInbox:
         self.slot_bases = torch.tensor([b + self.slots_off for b in bases], dtype=torch.int64,
                                        device=local.device)
         self.control = local[self.control_off:self.control_off + 4 * 2 * SETS].view(torch.int32)
-        self.slots = local[self.slots_off:nbytes].view(dtype).view(world, rows, hidden)
-        self.owner_slots = [  # every rank's slots, as mapped here
-            r[self.slots_off:nbytes].view(dtype).view(self.slots.shape) if r is not None
-            else _view(b + self.slots_off, self.slots) for b, r in zip(bases, raw, strict=True)]
+        # Each rank's slots where this process holds their memory (every rank's in a loopback
+        # inbox, where the benchmark checks what landed; elsewhere this rank's only).
+        self.owner_slots = [r[self.slots_off:nbytes].view(dtype).view(world, rows, hidden)
+                            if r is not None else None for r in raw]
+        self.slots = self.owner_slots[rank]
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, max_tokens: int, hidden: int, dtype: torch.dtype,

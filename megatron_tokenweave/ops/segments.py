@@ -106,6 +106,15 @@ def segments(layout: Layout, world: int, rows: int, *, first: int = 0, chunk_str
     return Segments(first=first, step=seg, rows=seg, total=rows, row0=row0, tiles=tiles)
 
 
+def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, first: int = 0,
+                  chunk_stride: int = 0) -> Segments:
+    """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
+    or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
+    `chunk_stride` rows apart (`segments` says how)."""
+    return segments(layout, world, halves[i].rows, first=first, chunk_stride=chunk_stride,
+                    chunk_row0=halves[i].offset, set_index=i, first_set_rows=halves[0].rows)
+
+
 def slot_rows(max_tokens: int, world: int) -> int:
     """Inbox rows per source slot that hold any call of up to max_tokens rows in both sets:
     sequence parallel, one chunk (max_tokens / world); replicated, two halves' segments, each

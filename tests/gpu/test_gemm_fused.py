@@ -112,7 +112,7 @@ class Case:
     def run(self, ctas_beside: int = 16) -> None:
         """The layer's sequence: per half, its GEMM, then its consumer (on the side stream when
         split, beside the next half's GEMM)."""
-        from megatron_tokenweave.ops.segments import segments
+        from megatron_tokenweave.ops.segments import half_segments
 
         comm, world = self.comm, self.world
         split = len(self.halves) > 1
@@ -120,8 +120,8 @@ class Case:
         x3 = self.x.view(self.chunks, self.n, -1)
         done = []
         for i, h in enumerate(self.halves):
-            seg = segments(self.layout, world, h.rows, first=h.offset, chunk_stride=self.n,
-                           chunk_row0=h.offset, set_index=i, first_set_rows=self.halves[0].rows)
+            seg = half_segments(self.layout, world, self.halves, i, first=h.offset,
+                                chunk_stride=self.n)
             comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
                           else None, seg, i, ctas=sms - (ctas_beside if split else 0))
             part = comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)].view(
