@@ -4,8 +4,9 @@
 // communicator) owns everything that describes the symmetric buffer and the data-path settings
 // every rank agreed on when it was created; Python holds it as an integer handle (comm_create /
 // comm_destroy). The op takes that handle, the tensors and a few scalars:
-//   fused_allreduce_rmsnorm(comm, partial, residual, weight?, eps, residual_out!, normed_out?!,
+//   fused_allreduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
 //                           ctas, path, phase)
+// partial is mutated too: the two-shot and GEMM-fused replicated paths write y back into it.
 // Nothing here reads the environment: a setting that changes the protocol must be the same on
 // every rank, so it is agreed once, in Python, and stored in the Communicator.
 // Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; fake
@@ -576,7 +577,7 @@ void comm_copy_errors(int64_t handle, at::Tensor& host) {
 
 // y = sum over the group of partial + residual -> residual_out; RMSNorm(y) * weight -> normed_out.
 // `path`: Path; `phase`: CopyEnginePhase (the copy-engine path only; 0 elsewhere).
-void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& partial, const at::Tensor& residual,
+void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                              const std::optional<at::Tensor>& weight, double eps,
                              at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
                              int64_t ctas, int64_t path, int64_t phase) {
@@ -599,7 +600,7 @@ void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& partial, const at
 // The GEMM-fused path's consumer: y = sum of the P slots of this rank's inbox rows + residual
 // -> residual_out; RMSNorm(y) * weight -> normed_out (sequence parallel: stored to every rank;
 // replicated: y to every rank's `partial` rows, then each rank normalizes all rows locally).
-void gemm_reduce_rmsnorm(int64_t handle, const at::Tensor& partial, const at::Tensor& residual,
+void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                          const std::optional<at::Tensor>& weight, double eps,
                          at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
                          int64_t ctas, int64_t set, int64_t row0, int64_t seg_rows,
@@ -629,13 +630,13 @@ TORCH_LIBRARY(tokenweave, m) {
   m.def("comm_destroy(int comm) -> ()", &tokenweave::comm_destroy);
   m.def("comm_copy_errors(int comm, Tensor(a!) host) -> ()", &tokenweave::comm_copy_errors);
   m.def(
-      "fused_allreduce_rmsnorm(int comm, Tensor partial, Tensor residual, Tensor? weight, "
-      "float eps, Tensor(a!) residual_out, Tensor(b!)? normed_out, int ctas, int path, "
+      "fused_allreduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
+      "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int path, "
       "int phase) -> ()");
   m.def(
-      "gemm_reduce_rmsnorm(int comm, Tensor partial, Tensor residual, Tensor? weight, float eps, "
-      "Tensor(a!) residual_out, Tensor(b!)? normed_out, int ctas, int set, int row0, "
-      "int seg_rows, int block_rows, int col_tiles) -> ()");
+      "gemm_reduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
+      "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int set, "
+      "int row0, int seg_rows, int block_rows, int col_tiles) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {

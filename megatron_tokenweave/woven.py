@@ -126,8 +126,8 @@ class WovenForward:
         """Half i's communicating GEMM (GEMM-fused mechanism) over rows `rows` of every chunk of
         x [chunks, n, K]: its tiles go to their owners' inbox set i, where half i's rows of the
         layer sit (the woven halves never share inbox rows)."""
-        seg = half_segments(self.layout, self.world, self.halves, i, first=rows.offset,
-                            chunk_stride=x.shape[1])
+        seg = half_segments(self.layout, self.world, self.halves, i, hidden=weight.shape[0],
+                            ctas=self.gemm_ctas, first=rows.offset, chunk_stride=x.shape[1])
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
                            ctas=self.gemm_ctas, validate=self.validate)

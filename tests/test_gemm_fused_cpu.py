@@ -1,9 +1,11 @@
 """The GEMM-fused mechanism on CPU: its geometry (ops/segments.py), the emulation of its data
 movement against the pure-PyTorch reference (gloo ranks at TP 2, 4 and 8), and its bad input.
 
-Geometry: for both layouts, TP 2/4/8 and row counts around the tile sizes, every input row of a
-call goes to exactly one owner, each woven half keeps inbox rows of its own (sets 0 and 1 never
-overlap), every call of up to max_tokens rows fits a slot and its flag blocks. Emulation: the
+Geometry: for both layouts, TP 2/4/8, row counts around the tile sizes and output widths / CTA
+counts that between them take every tile shape, every input row of a call goes to exactly one
+owner, each woven half keeps inbox rows of its own (sets 0 and 1 never overlap), every call of
+up to max_tokens rows fits a slot and its flag blocks; the tiles are the ones with the fewest
+estimated tile-times, counted on the segments' real row blocks. Emulation: the
 communicating GEMM + its consumer (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`) equal
 x @ W^T summed over ranks (+ bias once) + residual, normed, computed by the reference op, for a
 whole call and for split halves; outputs poisoned first.
@@ -20,9 +22,12 @@ from _dist import run_ranks
 from megatron_tokenweave.communicator import Communicator, WorkspaceCapacityError
 from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.segments import (
+    LARGE,
     MIN_BLOCK_ROWS,
     SMALL,
+    WIDE,
     half_segments,
+    row_blocks,
     segments,
     slot_rows,
     tiles_for,
@@ -32,24 +37,28 @@ from megatron_tokenweave.schedule import Half
 ROWS = (1, 2, 7, 63, 64, 65, 127, 128, 129, 1000, 1031, 4096)
 LAYOUTS = (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED)
 EPS = 1e-5
+# (hidden, persistent CTAs): between them, every tile shape is taken for some row counts
+OUTPUTS = ((4096, 132), (8192, 116), (5120, 8))
 
 
 def _halves(n: int, split: bool) -> tuple[Half, ...]:
     return (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (Half(0, n),)
 
 
-def _calls(layout: Layout, world: int, n: int, split: bool):
+def _calls(layout: Layout, world: int, n: int, split: bool, hidden: int = 4096,
+           ctas: int = 132):
     """(half, segments) of each call of one woven forward with n rows a chunk."""
     halves = _halves(n, split)
-    return [(h, half_segments(layout, world, halves, i, first=h.offset, chunk_stride=n))
+    return [(h, half_segments(layout, world, halves, i, hidden=hidden, ctas=ctas,
+                              first=h.offset, chunk_stride=n))
             for i, h in enumerate(halves)]
 
 
 @pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
 def test_segments_cover_every_row_once_and_halves_never_share_inbox_rows(layout, world):
     chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
-    for n, split in itertools.product(ROWS, (False, True)):
-        calls = _calls(layout, world, n, split)
+    for n, split, out in itertools.product(ROWS, (False, True), OUTPUTS):
+        calls = _calls(layout, world, n, split, *out)
         covered: list[int] = []
         spans = []
         for half, seg in calls:
@@ -64,9 +73,9 @@ def test_segments_cover_every_row_once_and_halves_never_share_inbox_rows(layout,
             spans.append(set(range(seg.row0, seg.row0 + seg.rows)))
         want = sorted(c * n + r for c in range(chunks) for half, _ in calls
                       for r in range(half.offset, half.offset + half.rows))
-        assert sorted(covered) == want, (n, split)
+        assert sorted(covered) == want, (n, split, out)
         if len(spans) == 2:
-            assert not spans[0] & spans[1], (n, split)
+            assert not spans[0] & spans[1], (n, split, out)
 
 
 @pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
@@ -77,8 +86,8 @@ def test_every_call_up_to_max_tokens_fits_a_slot_and_its_flags(layout, world):
     sp = layout is Layout.SEQUENCE_PARALLEL
     for tokens in range(world if sp else 1, max_tokens + 1, 37 * world if sp else 37):
         n = tokens // world if sp else tokens
-        for split in (False, True):
-            for _, seg in _calls(layout, world, n, split):
+        for split, out in itertools.product((False, True), OUTPUTS):
+            for _, seg in _calls(layout, world, n, split, *out):
                 assert seg.row0 + seg.rows <= capacity, (tokens, split, seg)
                 assert seg.blocks() * seg.tiles.block_rows // MIN_BLOCK_ROWS <= blocks
 
@@ -87,17 +96,45 @@ def test_every_call_up_to_max_tokens_fits_a_slot_and_its_flags(layout, world):
 def test_nonempty_blocks_are_the_first_ones_in_owner_order(layout, world):
     """The GEMM enumerates row blocks 0 .. nonempty_blocks() - 1 as (owner, block) =
     divmod(g, blocks()): those are exactly the blocks that hold rows."""
-    for n in ROWS:
-        for _, seg in _calls(layout, world, n, split=True):
+    for n, out in itertools.product(ROWS, OUTPUTS):
+        for _, seg in _calls(layout, world, n, True, *out):
             bm, blocks = seg.tiles.block_rows, seg.blocks()
             holding = [(c, m) for c in range(world) for m in range(blocks)
                        if m * bm < seg.length(c)]
             assert holding == [divmod(g, blocks) for g in range(seg.nonempty_blocks(world))]
 
 
-def test_small_calls_take_small_tiles():
-    assert tiles_for(1) is SMALL and tiles_for(64) is SMALL
-    assert tiles_for(65).block_rows == 128
+@pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
+@pytest.mark.parametrize("hidden,ctas", OUTPUTS)
+def test_tiles_take_the_fewest_estimated_tile_times(layout, world, hidden, ctas):
+    """The estimate counts the tiles the segments really have (row_blocks against
+    nonempty_blocks), and the pick minimizes waves x area / efficiency."""
+    def cost(t, rows):
+        tiles = row_blocks(layout, world, rows, t.block_rows) * t.col_tiles(hidden)
+        return -(-tiles // ctas) * t.block_rows * t.block_cols / t.efficiency
+
+    seen = set()
+    for rows in range(1, 2049, 7):
+        seg = segments(layout, world, rows, hidden=hidden, ctas=ctas)
+        got = seg.tiles
+        seen.add(got)
+        assert seg.nonempty_blocks(world) == row_blocks(layout, world, rows, got.block_rows)
+        assert cost(got, rows) == min(cost(t, rows) for t in (LARGE, WIDE, SMALL)), rows
+    assert LARGE in seen
+
+
+def test_tiles_of_the_measured_shapes():
+    """The cases the one-GPU benchmark settled (docs/kernel.md), replicated on 132 SMs:
+    Llama-3-8B at 512 tokens takes 64 x 256 tiles (128 x 256 would leave half the SMs idle),
+    at 1024 the large ones; Llama-70B at 512 tokens and TP 8 keeps the large ones (four owners
+    of 128 rows); a decode-sized call the small ones."""
+    rep = Layout.REPLICATED
+    assert tiles_for(rep, 2, 512, 4096, 132) is WIDE
+    assert tiles_for(rep, 4, 512, 4096, 132) is WIDE
+    assert tiles_for(rep, 2, 1024, 4096, 132) is LARGE
+    assert tiles_for(rep, 8, 512, 8192, 132) is LARGE
+    assert tiles_for(rep, 2, 8192, 8192, 132) is LARGE
+    assert tiles_for(rep, 2, 4, 4096, 132) is SMALL
 
 
 # --------------------------------------------------------------------------- emulation
@@ -133,7 +170,7 @@ def _emulation_worker(rank: int, world: int) -> list[tuple]:
         got_res = torch.full((n, hidden), float("nan"))
         normed = comm.normed[:chunks * n].view(chunks, n, hidden)
         normed.fill_(float("nan"))
-        for i, (h, seg) in enumerate(_calls(layout, world, n, split)):
+        for i, (h, seg) in enumerate(_calls(layout, world, n, split, hidden, 1)):
             comm.row_gemm(xs[rank], ws[rank], bias if rank == 0 else None, seg, i, ctas=1)
             part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)].view(
                 chunks, h.rows, hidden)
@@ -185,7 +222,7 @@ def gemm_comm(single_rank_group):
 
 
 def _gemm_args(comm, **changes):
-    seg = segments(Layout.REPLICATED, 1, 8)
+    seg = segments(Layout.REPLICATED, 1, 8, hidden=16, ctas=1)
     args = dict(x=torch.randn(8, 24), weight=torch.randn(16, 24), bias=None, segments=seg,
                 set_index=0)
     args.update(changes)
@@ -219,7 +256,8 @@ def test_row_gemm_bad_input_raises(gemm_comm, change, match):
 
 def test_row_gemm_past_the_inbox_raises_capacity_error(gemm_comm):
     gemm_comm.prepare_gemm()
-    seg = segments(Layout.REPLICATED, 1, 8, set_index=1, first_set_rows=slot_rows(256, 1))
+    seg = segments(Layout.REPLICATED, 1, 8, hidden=16, ctas=1, set_index=1,
+                   first_set_rows=slot_rows(256, 1))
     with pytest.raises(WorkspaceCapacityError, match="exceed"):
         _row_gemm(gemm_comm, _gemm_args(gemm_comm, segments=seg))
 
@@ -230,7 +268,7 @@ def test_gemm_consumer_of_another_call_raises(gemm_comm):
     residual, out = torch.randn(4, 16), torch.empty(4, 16)
     with pytest.raises(TokenWeaveInputError, match="cover 8 rows, this call has 4"):
         gemm_comm.allreduce_rmsnorm(part, residual, None, EPS, out, None, Layout.REPLICATED,
-                                    comm="gemm", segments=segments(Layout.REPLICATED, 1, 8))
+                                    comm="gemm", segments=_gemm_args(gemm_comm)["segments"])
 
 
 def test_gemm_consumer_without_its_gemm_raises(gemm_comm):

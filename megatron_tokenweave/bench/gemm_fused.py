@@ -53,16 +53,16 @@ def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, dtype, dev)
-    seg = segments(Layout.REPLICATED, tp, tokens)
     rows = []
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
+        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, ctas=sms)
         x = torch.randn(tokens, k, device=dev, dtype=dtype)
         w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
         out = torch.empty(tokens, n, device=dev, dtype=dtype)
         impls = {
             "cublas": lambda x=x, w=w, out=out: torch.matmul(x, w.t(), out=out),
-            "tokenweave": lambda x=x, w=w: owner_gemm(x, w, None, inbox, seg, 0, sms),
+            "tokenweave": lambda x=x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms),
         }
         te = _te_linear(k, n, w)
         if te is not None:

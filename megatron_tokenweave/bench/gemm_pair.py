@@ -92,10 +92,10 @@ class Pair:
             part = part.view(self.chunks, h.rows, -1)
             seg = None
             if gemm:
-                seg = half_segments(self.layout, self.world, halves, i, first=h.offset,
-                                    chunk_stride=n)
-                self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False,
-                                   ctas=self.sms - (CTAS_BESIDE if len(halves) > 1 else 0))
+                ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
+                seg = half_segments(self.layout, self.world, halves, i, hidden=self.w.shape[0],
+                                    ctas=ctas, first=h.offset, chunk_stride=n)
+                self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False, ctas=ctas)
             else:
                 gemm_into(h.of(x3), self.w, part)
             rows = slice(h.offset, h.offset + h.rows)

@@ -33,8 +33,8 @@ _ALIGN = 256
 
 
 class GemmInbox:
-    """Every rank's inbox region as this rank addresses it: `slot_bases` / `flag_bases` (device
-    int64 [world]: each rank's slots and flags), this rank's `control` words and `slots` view."""
+    """Every rank's inbox region as this rank addresses it: `bases` (each rank's region, flags
+    first, slots at `slots_off`), this rank's `control` words and `slots` view."""
 
     def __init__(self, world: int, rank: int, max_tokens: int, hidden: int, dtype: torch.dtype,
                  map_regions: Callable[[int], tuple[list[int], list[torch.Tensor | None]]],
@@ -53,9 +53,7 @@ class GemmInbox:
         local = raw[rank]
         self._close = close
         self.local_base = bases[rank]
-        self.flag_bases = torch.tensor(bases, dtype=torch.int64, device=local.device)
-        self.slot_bases = torch.tensor([b + self.slots_off for b in bases], dtype=torch.int64,
-                                       device=local.device)
+        self.bases = list(bases)
         self.control = local[self.control_off:self.control_off + 4 * 2 * SETS].view(torch.int32)
         # Each rank's slots where this process holds their memory (every rank's in a loopback
         # inbox, where the benchmark checks what landed; elsewhere this rank's only).
@@ -72,7 +70,8 @@ class GemmInbox:
         buffers: list[SymmetricBuffer] = []
 
         def map_regions(nbytes: int) -> tuple[list[int], list[torch.Tensor | None]]:
-            buffers.append(buffer := SymmetricBuffer(group, nbytes, device, timeout_s=timeout_s))
+            buffers.append(buffer := SymmetricBuffer(group, nbytes, device, timeout_s=timeout_s,
+                                                     header=False))
             return list(buffer.peer_data), [buffer.local if q == buffer.rank else None
                                             for q in range(buffer.world)]
 

@@ -7,10 +7,10 @@ at 0.97-1.07x of cuBLAS on an H200 before any epilogue work, and its epilogue is
 we own (16-byte stores to any rank's mapped address, a fence and flag stores), where cuBLAS's
 epilogue is closed and a CUTLASS collective would need a custom epilogue visitor per layout.
 docs/kernel.md has the measurements that shaped it: with the stores and flags it runs at
-0.87-1.02x of cuBLAS at 1K-8K tokens; TMA stores through descriptors built in the kernel were
-slower than register stores, and a system-scope fence per tile cost 5-10 %, so each CTA
-publishes the flags of all its tiles once, after its last tile. Protocol and geometry:
-ops/segments.py, csrc/include/tokenweave/gemm_reduce.cuh.
+0.98-1.02x of cuBLAS on the long shard GEMMs and 0.87-0.97x on the short ones; a system-scope
+fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once, after its
+last tile. Tile shapes and geometry: ops/segments.py; the consumer:
+csrc/include/tokenweave/gemm_reduce.cuh.
 
 Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row
 blocks (weight tiles reused in L2), over the call's non-empty row blocks from segment rank + 1's
@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_tokenweave.kernels.inbox import GemmInbox
 from megatron_tokenweave.ops.segments import Segments
+from megatron_tokenweave.ops.validate import MAX_RANKS
 
 # gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 2^31 - 1
 _EPOCH_WRAP = tl.constexpr(0x7FFFFFFF)
@@ -48,15 +49,28 @@ def _store_tile(dst, acc, bias_ptr, valid_rows, col0, N, HAS_BIAS: tl.constexpr,
 
 @triton.jit
 def _tile_of(tile, start, blocks, num_m, per_group, GROUP_M: tl.constexpr):
-    """(owner, row block within its segment, column tile) of a linear tile index: grouped
+    """(owner, row block within its segment, column tile) of linear tile indices: grouped
     order (GROUP_M row blocks share the weight tiles in L2) over the call's non-empty row blocks
     (segment c's at c * blocks + m), rotated to begin at `start` (segment rank + 1's)."""
     group = tile // per_group
     first_m = group * GROUP_M
-    group_size = min(num_m - first_m, GROUP_M)
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
     vm = (first_m + (tile % per_group) % group_size + start) % num_m
     pn = (tile % per_group) // group_size
     return vm // blocks, vm % blocks, pn
+
+
+@triton.jit
+def _region(owner, r0, r1, r2, r3, r4, r5, r6, r7):
+    """The base address of rank `owner`'s inbox region: selected among scalar arguments, so
+    neither the epilogue nor the flags wait on a load for it."""
+    base = tl.where(owner == 1, r1, r0)
+    base = tl.where(owner == 2, r2, base)
+    base = tl.where(owner == 3, r3, base)
+    base = tl.where(owner == 4, r4, base)
+    base = tl.where(owner == 5, r5, base)
+    base = tl.where(owner == 6, r6, base)
+    return tl.where(owner == 7, r7, base)
 
 
 # The call's geometry changes from call to call: not specialized (no recompilation per token
@@ -67,12 +81,12 @@ _PER_CALL = ("rank", "set_index", "first", "step", "seg_rows", "total", "row0", 
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _owner_gemm_kernel(
-    a_desc, b_desc, bias_ptr, slot_bases, flag_bases, control_ptr,
+    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
     rank, set_index, set_words, flag_blocks, flag_tiles,
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
     HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, FLAG_LANES: tl.constexpr,
 ):
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     last = tl.load(control_ptr + set_index)
@@ -93,7 +107,8 @@ def _owner_gemm_kernel(
             b = b_desc.load([pn * BN, kt * BK])
             acc = tl.dot(a, b.T, acc)
         # Inbox slots are 256-byte aligned: said so, the stores become 16-byte vectors.
-        dst = tl.multiple_of(tl.load(slot_bases + owner).to(tl.pointer_type(out_dtype)), 16)
+        region = _region(owner, r0, r1, r2, r3, r4, r5, r6, r7)
+        dst = tl.multiple_of((region + slots_off).to(tl.pointer_type(out_dtype)), 16)
         dst += (rank * slot_rows + row0 + m * BM).to(tl.int64) * N + pn * BN
         if HALVES:  # two column halves: half the store addresses live at once
             left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
@@ -103,20 +118,23 @@ def _owner_gemm_kernel(
         else:
             _store_tile(dst, acc, bias_ptr, valid, pn * BN, N, HAS_BIAS, BM, BN)
     # Publish once per CTA (a system-scope fence per tile cost 5-10 % of the GEMM, measured):
-    # the CTA synchronizes, then a fence makes every store it ordered visible system-wide
-    # (cumulative through the barrier), then one thread flags each of this CTA's tiles; a
-    # fence followed by a relaxed store is a release.
+    # the CTA synchronizes, then every thread's fence makes every store the CTA ordered visible
+    # system-wide (cumulative through the barrier), so any thread's relaxed flag store after it
+    # is a release. The flags of FLAG_LANES tiles go out at once, addresses computed, not
+    # loaded: a serial loop of loads and stores here cost 2-4 % of short GEMMs (measured).
     done = tl.inline_asm_elementwise("bar.sync 0; fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r",
                                      [epoch], dtype=tl.int32, is_pure=False, pack=1)
-    for tile in range(tl.program_id(0), num_m * num_n, num_ctas):
-        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
-        flags = tl.load(flag_bases + owner).to(tl.pointer_type(tl.int32))
-        flag = flags + set_index * set_words + (rank * flag_blocks + m) * flag_tiles + pn
+    lanes = tl.arange(0, FLAG_LANES)
+    for chunk in range(tl.program_id(0), num_m * num_n, num_ctas * FLAG_LANES):
+        mine = chunk + lanes * num_ctas  # this CTA's next FLAG_LANES tiles
+        f_owner, f_m, f_pn = _tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
+        flags = _region(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
+        flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
             "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
-            "=r,l,r", [flag, done], dtype=tl.int32, is_pure=False, pack=1)
-
+            "=r,l,r,r", [flag, done + lanes * 0, (mine < num_m * num_n).to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                inbox: GemmInbox, seg: Segments, set_index: int, ctas: int) -> None:
@@ -131,11 +149,12 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
     grid = max(1, min(ctas, num_m * t.col_tiles(weight.shape[0])))
     start = (inbox.rank + 1) % inbox.world * seg.blocks()
+    regions = inbox.bases + [inbox.bases[0]] * (MAX_RANKS - inbox.world)
     _owner_gemm_kernel[(grid,)](
-        a_desc, b_desc, bias if bias is not None else weight, inbox.slot_bases, inbox.flag_bases,
-        inbox.control, inbox.rank, set_index, inbox.set_words, inbox.flag_blocks,
+        a_desc, b_desc, bias if bias is not None else weight, inbox.control, *regions,
+        inbox.slots_off, inbox.rank, set_index, inbox.set_words, inbox.flag_blocks,
         inbox.flag_tiles, seg.first, seg.step, seg.rows, seg.total, seg.row0, inbox.slot_rows,
         num_m, start, weight.shape[0], weight.shape[1], grid,
         HAS_BIAS=bias is not None, OUT_BF16=x.dtype == torch.bfloat16,
         BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
-        HALVES=t.block_cols >= 256, num_warps=t.warps, num_stages=t.stages)
+        HALVES=t.block_cols >= 256, FLAG_LANES=32, num_warps=t.warps, num_stages=t.stages)

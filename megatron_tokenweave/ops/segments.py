@@ -30,27 +30,44 @@ SETS = 2  # inbox sets: the woven schedule's halves (half B's GEMM beside half A
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """The GEMM's tile shape and pipeline (Triton meta-parameters)."""
+    """The GEMM's tile shape and pipeline (Triton meta-parameters), and its throughput relative
+    to LARGE's where both fill whole waves of CTAs (H200, docs/kernel.md)."""
 
     block_rows: int
     block_cols: int
     block_k: int
     stages: int
     warps: int
+    efficiency: float
     group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
 
 
-LARGE = GemmTiles(block_rows=128, block_cols=256, block_k=64, stages=3, warps=8)
-SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4)
+LARGE = GemmTiles(block_rows=128, block_cols=256, block_k=64, stages=4, warps=8, efficiency=1.0)
+WIDE = GemmTiles(block_rows=64, block_cols=256, block_k=64, stages=4, warps=4, efficiency=0.9)
+SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, efficiency=0.6)
 
 
-def tiles_for(rows_per_rank: int) -> GemmTiles:
-    """Small tiles where each rank's rows fit one 64-row block (decode-sized calls), else the
-    128 x 256 tiles the persistent GEMM matches cuBLAS with."""
-    return SMALL if rows_per_rank <= SMALL.block_rows else LARGE
+def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
+    """Row blocks holding rows of a call (`segments` lays them out): every chunk's rows in
+    blocks of their own (sequence parallel); all rows in whole blocks per segment, only the
+    last non-empty segment partial (replicated)."""
+    per_segment = -(-max(1, rows) // block_rows)
+    return world * per_segment if layout is Layout.SEQUENCE_PARALLEL else per_segment
+
+
+def tiles_for(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
+    """The tiles of a call (`segments`'s arguments) on `ctas` persistent CTAs: the fewest
+    estimated tile-times, waves x tile area / efficiency. Large tiles win where they fill the
+    CTAs; where they would leave many idle (Llama-3-8B at 512 tokens: 64 tiles of 128 x 256 on
+    132 SMs, 0.57-0.75x of cuBLAS) smaller tiles fill them (64 x 256: 0.88-0.94x, measured)."""
+    def cost(t: GemmTiles) -> float:
+        tiles = row_blocks(layout, world, rows, t.block_rows) * t.col_tiles(hidden)
+        return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
+
+    return min((LARGE, WIDE, SMALL), key=cost)
 
 
 @dataclass(frozen=True)
@@ -85,34 +102,37 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def segments(layout: Layout, world: int, rows: int, *, first: int = 0, chunk_stride: int = 0,
-             chunk_row0: int = 0, set_index: int = 0, first_set_rows: int = 0) -> Segments:
+def segments(layout: Layout, world: int, rows: int, *, hidden: int, ctas: int, first: int = 0,
+             chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
+             first_set_rows: int = 0) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
-    rows (replicated).
+    rows (replicated), for a hidden-wide output computed on `ctas` persistent CTAs (which pick
+    the tiles: `tiles_for`).
 
     first / chunk_stride: where the call's rows are in the GEMM's input x [chunks * n, K]: rows
         first + c * chunk_stride + j of chunk c (sequence parallel; replicated: first + j).
     chunk_row0: sequence parallel: the call's first row within a chunk (the woven half's
         offset); its rows keep that row index in the inbox, so the halves never overlap.
     set_index / first_set_rows: replicated: the woven schedule's half B (set 1) is stored after
-        half A's segment rows (first_set_rows: half A's row count).
+        the rows half A's segments (first_set_rows: half A's row count) may take.
     """
+    tiles = tiles_for(layout, world, rows, hidden, ctas)
     if layout is Layout.SEQUENCE_PARALLEL:
         return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
-                        row0=chunk_row0, tiles=tiles_for(rows))
-    tiles = tiles_for(-(-rows // world))
+                        row0=chunk_row0, tiles=tiles)
     seg = _round_up(max(1, -(-rows // world)), tiles.block_rows)
-    row0 = segments(layout, world, first_set_rows).rows if set_index else 0
+    row0 = _round_up(max(1, -(-first_set_rows // world)), MAX_BLOCK_ROWS) if set_index else 0
     return Segments(first=first, step=seg, rows=seg, total=rows, row0=row0, tiles=tiles)
 
 
-def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, first: int = 0,
-                  chunk_stride: int = 0) -> Segments:
+def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, ctas: int,
+                  first: int = 0, chunk_stride: int = 0) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
     `chunk_stride` rows apart (`segments` says how)."""
-    return segments(layout, world, halves[i].rows, first=first, chunk_stride=chunk_stride,
-                    chunk_row0=halves[i].offset, set_index=i, first_set_rows=halves[0].rows)
+    return segments(layout, world, halves[i].rows, hidden=hidden, ctas=ctas, first=first,
+                    chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
+                    first_set_rows=halves[0].rows)
 
 
 def slot_rows(max_tokens: int, world: int) -> int:

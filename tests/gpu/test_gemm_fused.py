@@ -8,7 +8,7 @@ through the communicator (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`), agains
 each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel's output):
 - both layouts; rows per chunk (sequence parallel) or in all (replicated) that are not tile
   multiples (1, 7, 100, 300, 1000, 1031; 1, 100, 1031 at TP 4 and 8); K 1024 / 3584, hidden
-  4096 / 5120; bf16 and fp16;
+  4096 / 5120; bf16 and fp16; between them every tile shape of ops/segments.py (asserted);
   bias on rank 0 or none; with and without the norm; one call (inbox set 0) or a split pair
   (half A's consumer on a side stream beside half B's GEMM, sets 0 and 1);
 - outputs poisoned (NaN) before every call, so a row nobody wrote shows; results within a
@@ -16,7 +16,8 @@ each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel'
 - a CUDA graph of a split pair replayed between eager calls of other shapes (fresh epochs per
   replay), 60 times, checked every time;
 - a peer that never issues its GEMM: the others' consumers give up (NaN outputs) and the
-  communicator's error names the GEMM-fused reduction, the peer and the row block.
+  communicator's error names the GEMM-fused reduction, the peer and the row block;
+- the inbox's kind of buffer (a SymmetricBuffer without header): zeroed, no error words.
 Time-sliced ranks: functional only, never a performance figure.
 """
 
@@ -108,6 +109,7 @@ class Case:
         self.residual_out = torch.empty(n, hidden, dtype=dtype, device=dev)
         self.normed = comm.normed[:rows].view(self.chunks, n, hidden)
         self.side = torch.cuda.Stream(device=dev)
+        self.tiles: set = set()  # the tile shapes its GEMMs took
 
     def run(self, ctas_beside: int = 16) -> None:
         """The layer's sequence: per half, its GEMM, then its consumer (on the side stream when
@@ -119,11 +121,13 @@ class Case:
         sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
         x3 = self.x.view(self.chunks, self.n, -1)
         done = []
+        ctas = sms - (ctas_beside if split else 0)
         for i, h in enumerate(self.halves):
-            seg = half_segments(self.layout, world, self.halves, i, first=h.offset,
-                                chunk_stride=self.n)
+            seg = half_segments(self.layout, world, self.halves, i, hidden=comm.hidden,
+                                ctas=ctas, first=h.offset, chunk_stride=self.n)
+            self.tiles.add(seg.tiles)
             comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
-                          else None, seg, i, ctas=sms - (ctas_beside if split else 0))
+                          else None, seg, i, ctas=ctas)
             part = comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)].view(
                 self.chunks, h.rows, -1)
             rows = slice(h.offset, h.offset + h.rows)
@@ -244,6 +248,22 @@ def _peer_never_arrives(group, rank, world, dev) -> None:
     os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
+def _headerless_buffer(group, dev) -> None:
+    """The inbox's kind of buffer (header=False): data only, zeroed, mapped on every peer, no
+    error words to read."""
+    from megatron_tokenweave.kernels import SymmetricBuffer
+
+    buf = SymmetricBuffer(group, 1 << 20, dev, header=False)
+    try:
+        assert buf.signal is None and buf.signal_bytes == 0
+        assert buf.peer_data == buf.peer_allocs
+        assert not buf.local.any(), "a new buffer starts zeroed"
+        with pytest.raises(RuntimeError, match="no header"):
+            buf.error_words()
+    finally:
+        buf.close()
+
+
 def _worker(rank: int, world: int, port: int, gpus: int) -> None:
     """`world` ranks on `gpus` GPUs: one GPU shared over gloo, or one GPU each over NCCL."""
     from megatron_tokenweave.communicator import Communicator, destroy_communicators
@@ -255,8 +275,10 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=dev if gpus > 1 else None)
     group = dist.group.WORLD
+    from megatron_tokenweave.ops.segments import LARGE, SMALL, WIDE
+
     t0, ncases = time.time(), 0
-    eager = {}
+    eager, tiles = {}, set()
     for (_, hidden), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         comm = Communicator(group, MAX_TOKENS, hidden, dtype, dev, "kernel")
         comm.prepare_gemm()
@@ -271,11 +293,14 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                            f"call {repeat}")
             ncases += 1
         eager[(hidden, dtype)] = (comm, cases)
+        tiles.update(*(case.tiles for case in cases))
+    assert tiles == {LARGE, WIDE, SMALL}, f"tile shapes exercised: {tiles}"
     comm, cases = eager[(4096, torch.bfloat16)]
     replays = _graph_replays(comm, cases[:6], rank)
     comm.symmetric.check_error()
     destroy_communicators()
     _peer_never_arrives(group, rank, world, dev)
+    _headerless_buffer(group, dev)
     print(f"[rank {rank}/{world}] GEMM-fused protocol OK: {ncases} cases, {replays} graph "
           f"replays, {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
