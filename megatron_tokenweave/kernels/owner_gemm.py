@@ -136,6 +136,7 @@ def _owner_gemm_kernel(
             "=r,l,r,r", [flag, done + lanes * 0, (mine < num_m * num_n).to(tl.int32)],
             dtype=tl.int32, is_pure=False, pack=1)
 
+
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                inbox: GemmInbox, seg: Segments, set_index: int, ctas: int) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
