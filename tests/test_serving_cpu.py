@@ -82,11 +82,15 @@ def per_rank():
 
 def test_static_engine_greedy_tokens_match_stock(per_rank):
     """Greedy generation through Megatron's static engine: the same tokens and text with the
-    TokenWeave spec as with the stock spec, on every rank, for prompts of mixed lengths."""
+    TokenWeave spec as with the stock spec, on every rank, for prompts of mixed lengths. A prompt
+    may end at once (a random model's first greedy token may be the end-of-document id; one CI
+    run had a prompt with no generated token), so the comparison's non-triviality is asserted
+    over all prompts together: at least a full generation's worth of tokens."""
     for result in per_rank:
         stock, woven = result["stock"], result["tokenweave"]
         assert len(stock["tokens"]) == len(PROMPTS)
-        assert all(0 < len(t) <= NEW_TOKENS for t in stock["tokens"])
+        assert all(len(t) <= NEW_TOKENS for t in stock["tokens"])
+        assert sum(len(t) for t in stock["tokens"]) >= NEW_TOKENS, stock["tokens"]
         assert woven["tokens"] == stock["tokens"]
         assert woven["text"] == stock["text"]
     assert per_rank[0]["stock"]["tokens"] == per_rank[1]["stock"]["tokens"]
