@@ -26,6 +26,7 @@ from megatron_tokenweave.ops.segments import (
     MIN_BLOCK_ROWS,
     SMALL,
     WIDE,
+    estimated_time,
     half_segments,
     row_blocks,
     segments,
@@ -108,18 +109,16 @@ def test_nonempty_blocks_are_the_first_ones_in_owner_order(layout, world):
 @pytest.mark.parametrize("hidden,ctas", OUTPUTS)
 def test_tiles_take_the_fewest_estimated_tile_times(layout, world, hidden, ctas):
     """The estimate counts the tiles the segments really have (row_blocks against
-    nonempty_blocks), and the pick minimizes waves x area / efficiency."""
-    def cost(t, rows):
-        tiles = row_blocks(layout, world, rows, t.block_rows) * t.col_tiles(hidden)
-        return -(-tiles // ctas) * t.block_rows * t.block_cols / t.efficiency
-
+    nonempty_blocks), and the pick is the candidate with the least estimate."""
     seen = set()
     for rows in range(1, 2049, 7):
         seg = segments(layout, world, rows, hidden=hidden, ctas=ctas)
         got = seg.tiles
         seen.add(got)
         assert seg.nonempty_blocks(world) == row_blocks(layout, world, rows, got.block_rows)
-        assert cost(got, rows) == min(cost(t, rows) for t in (LARGE, WIDE, SMALL)), rows
+        times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
+                 for t in (LARGE, WIDE, SMALL)}
+        assert times[got] == min(times.values()), rows
     assert LARGE in seen
 
 

@@ -20,3 +20,13 @@ def add_model_argument(parser: argparse.ArgumentParser, what: str = "model shape
 
     parser.add_argument("--model", default="llama-3.3-70b", choices=sorted(SHAPES),
                         metavar="MODEL", help=f"{what}, of {', '.join(sorted(SHAPES))}")
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser, *, tokens: list[int], iters: int,
+                        timed: str, out: str, tokens_help: str = "tokens of one forward") -> None:
+    """--tokens, --iters and --out of a benchmark that times candidates (`timed`: what one
+    timed replay runs) over token counts and writes a result JSON with its plot beside it."""
+    parser.add_argument("--tokens", nargs="+", type=int, default=tokens, help=tokens_help)
+    parser.add_argument("--iters", type=int, default=iters,
+                        help=f"timed replays per {timed} (interleaved; medians)")
+    parser.add_argument("--out", default=out, help="result JSON (plot beside it)")

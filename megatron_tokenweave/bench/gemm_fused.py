@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_tokenweave.bench import command_parser
+from megatron_tokenweave.bench import add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
@@ -126,12 +126,8 @@ def parser() -> argparse.ArgumentParser:
                         choices=sorted(SHAPES), metavar="MODEL", help="dense model shapes")
     parser.add_argument("--tp", nargs="+", type=int, default=[2, 4, 8],
                         help="tensor-parallel sizes whose shards are timed")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192],
-                        help="tokens of one forward")
-    parser.add_argument("--iters", type=int, default=30,
-                        help="timed replays per impl (interleaved; medians)")
-    parser.add_argument("--out", default="docs/results/gemm_fused_1gpu.json",
-                        help="result JSON (plot beside it)")
+    add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=30, timed="impl",
+                        out="docs/results/gemm_fused_1gpu.json")
     return parser
 
 

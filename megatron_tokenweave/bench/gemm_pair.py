@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_tokenweave.bench import command_parser
+from megatron_tokenweave.bench import add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.linears import gemm_into
 from megatron_tokenweave.models import SHAPES
@@ -198,12 +198,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one GPU each)")
     parser.add_argument("--layouts", nargs="+", default=["replicated", "sequence_parallel"],
                         choices=[x.value for x in Layout], help="layouts of the op")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192],
-                        help="tokens of one forward (all ranks' shards together)")
-    parser.add_argument("--iters", type=int, default=20,
-                        help="timed replays per plan (interleaved; medians)")
-    parser.add_argument("--out", default="docs/results/gemm_pair_tp2.json",
-                        help="result JSON (plot beside it)")
+    add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=20, timed="plan",
+                        out="docs/results/gemm_pair_tp2.json",
+                        tokens_help="tokens of one forward (all ranks' shards together)")
     return parser
 
 

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from megatron_tokenweave.bench import add_model_argument, command_parser
+from megatron_tokenweave.bench import add_model_argument, add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES, Shape
@@ -86,12 +86,8 @@ def parser() -> argparse.ArgumentParser:
     add_model_argument(parser, "dense model shape")
     parser.add_argument("--tp", type=int, default=2,
                         help="tensor-parallel size whose per-rank GEMM shards are timed")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192],
-                        help="tokens of one forward")
-    parser.add_argument("--iters", type=int, default=30,
-                        help="timed replays per GEMM plan (interleaved; medians)")
-    parser.add_argument("--out", default="docs/results/split_cost.json",
-                        help="result JSON (plot beside it)")
+    add_sweep_arguments(parser, tokens=[1024, 2048, 4096, 8192], iters=30, timed="GEMM plan",
+                        out="docs/results/split_cost.json")
     return parser
 
 

@@ -52,7 +52,6 @@ class GemmInbox:
         bases, raw = map_regions(nbytes)  # raw: each rank's region as a tensor, where held
         local = raw[rank]
         self._close = close
-        self.local_base = bases[rank]
         self.bases = list(bases)
         self.control = local[self.control_off:self.control_off + 4 * 2 * SETS].view(torch.int32)
         # Each rank's slots where this process holds their memory (every rank's in a loopback
@@ -93,7 +92,7 @@ class GemmInbox:
 
     def attach(self, handle: int) -> None:
         """Hand the inbox to the C++ communicator (its consumer reads this rank's part)."""
-        base = self.local_base
+        base = self.bases[self.rank]
         torch.ops.tokenweave.comm_attach_inbox(
             handle, base + self.slots_off, self.slot_rows, self.hidden * self.slots.element_size(),
             base, self.flag_blocks, self.flag_tiles, base + self.control_off)

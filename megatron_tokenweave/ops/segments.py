@@ -58,16 +58,19 @@ def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
     return world * per_segment if layout is Layout.SEQUENCE_PARALLEL else per_segment
 
 
-def tiles_for(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
-    """The tiles of a call (`segments`'s arguments) on `ctas` persistent CTAs: the fewest
-    estimated tile-times, waves x tile area / efficiency. Large tiles win where they fill the
-    CTAs; where they would leave many idle (Llama-3-8B at 512 tokens: 64 tiles of 128 x 256 on
-    132 SMs, 0.57-0.75x of cuBLAS) smaller tiles fill them (64 x 256: 0.88-0.94x, measured)."""
-    def cost(t: GemmTiles) -> float:
-        tiles = row_blocks(layout, world, rows, t.block_rows) * t.col_tiles(hidden)
-        return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
+def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: int,
+                   ctas: int) -> float:
+    """A call's GEMM time in tile-times of area 1 (`segments`'s arguments, on `ctas` persistent
+    CTAs): waves of its tiles x tile area / the tiles' efficiency."""
+    tiles = row_blocks(layout, world, rows, t.block_rows) * t.col_tiles(hidden)
+    return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
 
-    return min((LARGE, WIDE, SMALL), key=cost)
+
+def tiles_for(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
+    """The tiles of a call with the least `estimated_time`: large tiles where they fill the
+    CTAs; smaller ones where large ones would leave many idle (docs/kernel.md, "Tiles")."""
+    return min((LARGE, WIDE, SMALL),
+               key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
 
 
 @dataclass(frozen=True)
