@@ -127,7 +127,8 @@ class WovenForward:
         x [chunks, n, K]: its tiles go to their owners' inbox set i, where half i's rows of the
         layer sit (the woven halves never share inbox rows)."""
         seg = half_segments(self.layout, self.world, self.halves, i, hidden=weight.shape[0],
-                            ctas=self.gemm_ctas, first=rows.offset, chunk_stride=x.shape[1])
+                            k=weight.shape[1], ctas=self.gemm_ctas, first=rows.offset,
+                            chunk_stride=x.shape[1])
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
                            ctas=self.gemm_ctas, validate=self.validate)

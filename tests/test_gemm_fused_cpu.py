@@ -24,6 +24,10 @@ from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduc
 from megatron_tokenweave.ops.segments import (
     LARGE,
     MIN_BLOCK_ROWS,
+    PINGPONG,
+    PINGPONG_MAX_K,
+    PINGPONG_MIN_TILES,
+    PINGPONG_MIN_TILES_SHORT_K,
     SMALL,
     WIDE,
     estimated_time,
@@ -39,18 +43,19 @@ ROWS = (1, 2, 7, 63, 64, 65, 127, 128, 129, 1000, 1031, 4096)
 LAYOUTS = (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED)
 EPS = 1e-5
 # (hidden, persistent CTAs): between them, every tile shape is taken for some row counts
-OUTPUTS = ((4096, 132), (8192, 116), (5120, 8))
+# (hidden, in-features, persistent CTAs): between them, every tile shape is taken for some rows
+OUTPUTS = ((4096, 1024, 132), (8192, 3584, 116), (5120, 3584, 8))
 
 
 def _halves(n: int, split: bool) -> tuple[Half, ...]:
     return (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (Half(0, n),)
 
 
-def _calls(layout: Layout, world: int, n: int, split: bool, hidden: int = 4096,
+def _calls(layout: Layout, world: int, n: int, split: bool, hidden: int = 4096, k: int = 1024,
            ctas: int = 132):
     """(half, segments) of each call of one woven forward with n rows a chunk."""
     halves = _halves(n, split)
-    return [(h, half_segments(layout, world, halves, i, hidden=hidden, ctas=ctas,
+    return [(h, half_segments(layout, world, halves, i, hidden=hidden, k=k, ctas=ctas,
                               first=h.offset, chunk_stride=n))
             for i, h in enumerate(halves)]
 
@@ -106,34 +111,52 @@ def test_nonempty_blocks_are_the_first_ones_in_owner_order(layout, world):
 
 
 @pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
-@pytest.mark.parametrize("hidden,ctas", OUTPUTS)
-def test_tiles_take_the_fewest_estimated_tile_times(layout, world, hidden, ctas):
-    """The estimate counts the tiles the segments really have (row_blocks against
-    nonempty_blocks), and the pick is the candidate with the least estimate."""
-    seen = set()
-    for rows in range(1, 2049, 7):
-        seg = segments(layout, world, rows, hidden=hidden, ctas=ctas)
+@pytest.mark.parametrize("hidden,k,ctas", OUTPUTS)
+def test_tiles_are_pingpong_by_its_rule_else_the_fewest_estimated_tile_times(layout, world,
+                                                                            hidden, k, ctas):
+    """The ping-pong kernel where its tiles per CTA reach the threshold of the call's K; else
+    the one-consumer candidate with the least estimate, counting the tiles the segments really
+    have (row_blocks against nonempty_blocks)."""
+    for rows in range(1, 4097, 7):
+        seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas)
         got = seg.tiles
-        seen.add(got)
         assert seg.nonempty_blocks(world) == row_blocks(layout, world, rows, got.block_rows)
-        times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
-                 for t in (LARGE, WIDE, SMALL)}
-        assert times[got] == min(times.values()), rows
-    assert LARGE in seen
+        per_cta = row_blocks(layout, world, rows, 128) * PINGPONG.col_tiles(hidden) / ctas
+        need = PINGPONG_MIN_TILES_SHORT_K if k <= PINGPONG_MAX_K else PINGPONG_MIN_TILES
+        assert (got is PINGPONG) == (per_cta >= need), rows
+        if got is not PINGPONG:
+            times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
+                     for t in (LARGE, WIDE, SMALL)}
+            assert times[got] == min(times.values()), rows
+
+
+def test_outputs_take_every_tile_shape():
+    """The geometry tests' outputs reach every kernel and tile shape."""
+    seen = {segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas).tiles
+            for layout, world, (hidden, k, ctas), rows in itertools.product(
+                LAYOUTS, (2, 4, 8), OUTPUTS, ROWS)}
+    assert seen == {LARGE, WIDE, SMALL, PINGPONG}
 
 
 def test_tiles_of_the_measured_shapes():
-    """The cases the one-GPU benchmark settled (docs/kernel.md), replicated on 132 SMs:
-    Llama-3-8B at 512 tokens takes 64 x 256 tiles (128 x 256 would leave half the SMs idle),
-    at 1024 the large ones; Llama-70B at 512 tokens and TP 8 keeps the large ones (four owners
-    of 128 rows); a decode-sized call the small ones."""
+    """The cases the one-GPU benchmark settled (docs/kernel.md), replicated on 132 SMs.
+    One consumer: Llama-3-8B at 512 tokens takes 64 x 256 tiles (128 x 256 would leave half
+    the SMs idle), at 1024 the large ones; Llama-70B at 512 tokens and TP 8 keeps the large
+    ones (four owners of 128 rows); a decode-sized call the small ones. Ping-pong: the short-K
+    shards (o_proj at TP 4 and 8, fc2 at TP 8 of Llama-3-8B) from 3 tiles per CTA, the long ones
+    at 8K tokens of Llama-70B only."""
     rep = Layout.REPLICATED
-    assert tiles_for(rep, 2, 512, 4096, 132) is WIDE
-    assert tiles_for(rep, 4, 512, 4096, 132) is WIDE
-    assert tiles_for(rep, 2, 1024, 4096, 132) is LARGE
-    assert tiles_for(rep, 8, 512, 8192, 132) is LARGE
-    assert tiles_for(rep, 2, 8192, 8192, 132) is LARGE
-    assert tiles_for(rep, 2, 4, 4096, 132) is SMALL
+    assert tiles_for(rep, 2, 512, 4096, 2048, 132) is WIDE
+    assert tiles_for(rep, 4, 512, 4096, 1024, 132) is WIDE
+    assert tiles_for(rep, 2, 1024, 4096, 2048, 132) is LARGE
+    assert tiles_for(rep, 8, 512, 8192, 1024, 132) is LARGE
+    assert tiles_for(rep, 2, 4, 4096, 2048, 132) is SMALL
+    assert tiles_for(rep, 8, 1024, 4096, 512, 132) is LARGE  # 1.9 tiles per CTA
+    assert tiles_for(rep, 8, 2048, 4096, 512, 132) is PINGPONG
+    assert tiles_for(rep, 8, 2048, 4096, 1792, 132) is PINGPONG
+    assert tiles_for(rep, 8, 1024, 8192, 1024, 132) is PINGPONG
+    assert tiles_for(rep, 8, 4096, 8192, 3584, 132) is LARGE
+    assert tiles_for(rep, 2, 8192, 8192, 14336, 132) is PINGPONG
 
 
 # --------------------------------------------------------------------------- emulation
@@ -169,7 +192,7 @@ def _emulation_worker(rank: int, world: int) -> list[tuple]:
         got_res = torch.full((n, hidden), float("nan"))
         normed = comm.normed[:chunks * n].view(chunks, n, hidden)
         normed.fill_(float("nan"))
-        for i, (h, seg) in enumerate(_calls(layout, world, n, split, hidden, 1)):
+        for i, (h, seg) in enumerate(_calls(layout, world, n, split, hidden, k, 1)):
             comm.row_gemm(xs[rank], ws[rank], bias if rank == 0 else None, seg, i, ctas=1)
             part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)].view(
                 chunks, h.rows, hidden)
@@ -221,7 +244,7 @@ def gemm_comm(single_rank_group):
 
 
 def _gemm_args(comm, **changes):
-    seg = segments(Layout.REPLICATED, 1, 8, hidden=16, ctas=1)
+    seg = segments(Layout.REPLICATED, 1, 8, hidden=16, k=24, ctas=1)
     args = dict(x=torch.randn(8, 24), weight=torch.randn(16, 24), bias=None, segments=seg,
                 set_index=0)
     args.update(changes)
@@ -255,7 +278,7 @@ def test_row_gemm_bad_input_raises(gemm_comm, change, match):
 
 def test_row_gemm_past_the_inbox_raises_capacity_error(gemm_comm):
     gemm_comm.prepare_gemm()
-    seg = segments(Layout.REPLICATED, 1, 8, hidden=16, ctas=1, set_index=1,
+    seg = segments(Layout.REPLICATED, 1, 8, hidden=16, k=24, ctas=1, set_index=1,
                    first_set_rows=slot_rows(256, 1))
     with pytest.raises(WorkspaceCapacityError, match="exceed"):
         _row_gemm(gemm_comm, _gemm_args(gemm_comm, segments=seg))

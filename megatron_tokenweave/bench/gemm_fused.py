@@ -56,7 +56,7 @@ def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
     rows = []
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
-        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, ctas=sms)
+        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
         x = torch.randn(tokens, k, device=dev, dtype=dtype)
         w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
         out = torch.empty(tokens, n, device=dev, dtype=dtype)

@@ -94,7 +94,8 @@ class Pair:
             if gemm:
                 ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
                 seg = half_segments(self.layout, self.world, halves, i, hidden=self.w.shape[0],
-                                    ctas=ctas, first=h.offset, chunk_stride=n)
+                                    k=self.w.shape[1], ctas=ctas, first=h.offset,
+                                    chunk_stride=n)
                 self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False, ctas=ctas)
             else:
                 gemm_into(h.of(x3), self.w, part)

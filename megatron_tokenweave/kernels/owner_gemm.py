@@ -10,7 +10,8 @@ docs/kernel.md has the measurements that shaped it: with the stores and flags it
 0.98-1.02x of cuBLAS on the long shard GEMMs and 0.87-0.97x on the short ones; a system-scope
 fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once, after its
 last tile. Tile shapes and geometry: ops/segments.py; the consumer:
-csrc/include/tokenweave/gemm_reduce.cuh.
+csrc/include/tokenweave/gemm_reduce.cuh; the warp-specialized kernel for the calls where this
+one's epilogue shows: owner_gemm_pingpong.py.
 
 Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row
 blocks (weight tiles reused in L2), over the call's non-empty row blocks from segment rank + 1's
@@ -73,6 +74,22 @@ def _region(owner, r0, r1, r2, r3, r4, r5, r6, r7):
     return tl.where(owner == 7, r7, base)
 
 
+@triton.jit
+def _publish(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
+             r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
+             flag_tiles):
+    """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
+    system-scope store, a release after the caller's fence (both kernels' tails)."""
+    f_owner, f_m, f_pn = _tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
+    flags = _region(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
+    flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
+        "=r,l,r,r", [flag, epoch, (mine < tiles).to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
 # The call's geometry changes from call to call: not specialized (no recompilation per token
 # count; N and K stay specialized, their divisibility gives the 16-byte stores).
 _PER_CALL = ("rank", "set_index", "first", "step", "seg_rows", "total", "row0", "num_m",
@@ -126,36 +143,38 @@ def _owner_gemm_kernel(
                                      [epoch], dtype=tl.int32, is_pure=False, pack=1)
     lanes = tl.arange(0, FLAG_LANES)
     for chunk in range(tl.program_id(0), num_m * num_n, num_ctas * FLAG_LANES):
-        mine = chunk + lanes * num_ctas  # this CTA's next FLAG_LANES tiles
-        f_owner, f_m, f_pn = _tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
-        flags = _region(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
-        flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-            "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
-            "=r,l,r,r", [flag, done + lanes * 0, (mine < num_m * num_n).to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
+        _publish(chunk + lanes * num_ctas, num_m * num_n, done + lanes * 0, start, blocks,
+                 num_m, per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index,
+                 set_words, flag_blocks, flag_tiles)
 
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                inbox: GemmInbox, seg: Segments, set_index: int, ctas: int) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
-    ctas: persistent CTAs (the SMs left to the GEMM)."""
+    ctas: persistent CTAs (the SMs left to the GEMM). The segments' tiles pick the kernel:
+    this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster."""
     num_m = seg.nonempty_blocks(inbox.world)
     if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
         return
     t = seg.tiles
-    a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
-    b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
     grid = max(1, min(ctas, num_m * t.col_tiles(weight.shape[0])))
     start = (inbox.rank + 1) % inbox.world * seg.blocks()
     regions = inbox.bases + [inbox.bases[0]] * (MAX_RANKS - inbox.world)
+    protocol = (inbox.control, *regions, inbox.slots_off, inbox.rank, set_index,
+                inbox.set_words, inbox.flag_blocks, inbox.flag_tiles, seg.first, seg.step,
+                seg.rows, seg.total, seg.row0, inbox.slot_rows, num_m, start, weight.shape[0],
+                weight.shape[1], grid)
+    if t.consumers == 2:
+        from megatron_tokenweave.kernels.owner_gemm_pingpong import launch
+
+        launch(x, weight, bias, grid, protocol, t.stages, t.group_rows,
+               (t.block_rows, t.block_cols, t.block_k))
+        return
+    a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
     _owner_gemm_kernel[(grid,)](
-        a_desc, b_desc, bias if bias is not None else weight, inbox.control, *regions,
-        inbox.slots_off, inbox.rank, set_index, inbox.set_words, inbox.flag_blocks,
-        inbox.flag_tiles, seg.first, seg.step, seg.rows, seg.total, seg.row0, inbox.slot_rows,
-        num_m, start, weight.shape[0], weight.shape[1], grid,
+        a_desc, b_desc, bias if bias is not None else weight, *protocol,
         HAS_BIAS=bias is not None, OUT_BF16=x.dtype == torch.bfloat16,
         BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
         HALVES=t.block_cols >= 256, FLAG_LANES=32, num_warps=t.warps, num_stages=t.stages)

@@ -30,8 +30,10 @@ SETS = 2  # inbox sets: the woven schedule's halves (half B's GEMM beside half A
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """The GEMM's tile shape and pipeline (Triton meta-parameters), and its throughput relative
-    to LARGE's where both fill whole waves of CTAs (H200, docs/kernel.md)."""
+    """The GEMM's tile shape and pipeline, and its throughput relative to LARGE's where both
+    fill whole waves of CTAs (H200, docs/kernel.md). consumers = 2 is the warp-specialized
+    ping-pong kernel (kernels/owner_gemm_pingpong.py): two warpgroups each computing a whole
+    tile, one's epilogue beside the other's MMAs; warps is then per consumer."""
 
     block_rows: int
     block_cols: int
@@ -40,6 +42,7 @@ class GemmTiles:
     warps: int
     efficiency: float
     group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
+    consumers: int = 1
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
@@ -48,6 +51,15 @@ class GemmTiles:
 LARGE = GemmTiles(block_rows=128, block_cols=256, block_k=64, stages=4, warps=8, efficiency=1.0)
 WIDE = GemmTiles(block_rows=64, block_cols=256, block_k=64, stages=4, warps=4, efficiency=0.9)
 SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, efficiency=0.6)
+PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4,
+                     efficiency=1.0, consumers=2)
+# When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
+# (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES_SHORT_K for in-features up to
+# PINGPONG_MAX_K (short K loops, where the other kernels' epilogue is a large share of a tile),
+# at least PINGPONG_MIN_TILES for longer ones (8K tokens of Llama-70B).
+PINGPONG_MAX_K = 2048
+PINGPONG_MIN_TILES_SHORT_K = 3
+PINGPONG_MIN_TILES = 24
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -66,9 +78,16 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
     return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
 
 
-def tiles_for(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
-    """The tiles of a call with the least `estimated_time`: large tiles where they fill the
-    CTAs; smaller ones where large ones would leave many idle (docs/kernel.md, "Tiles")."""
+def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
+              ctas: int) -> GemmTiles:
+    """The tiles of a call over k in-features: the ping-pong kernel's where it was measured
+    faster (enough tiles per CTA, fewer for short K), else the one-consumer tiles with the
+    least `estimated_time`: large where they fill the CTAs; smaller ones where large ones
+    would leave many idle (docs/kernel.md, "Tiles")."""
+    per_cta = (row_blocks(layout, world, rows, PINGPONG.block_rows)
+               * PINGPONG.col_tiles(hidden) / max(1, ctas))
+    if per_cta >= (PINGPONG_MIN_TILES_SHORT_K if k <= PINGPONG_MAX_K else PINGPONG_MIN_TILES):
+        return PINGPONG
     return min((LARGE, WIDE, SMALL),
                key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
 
@@ -105,12 +124,12 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def segments(layout: Layout, world: int, rows: int, *, hidden: int, ctas: int, first: int = 0,
-             chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
+def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas: int,
+             first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
              first_set_rows: int = 0) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
-    rows (replicated), for a hidden-wide output computed on `ctas` persistent CTAs (which pick
-    the tiles: `tiles_for`).
+    rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
+    CTAs (which pick the tiles: `tiles_for`).
 
     first / chunk_stride: where the call's rows are in the GEMM's input x [chunks * n, K]: rows
         first + c * chunk_stride + j of chunk c (sequence parallel; replicated: first + j).
@@ -119,7 +138,7 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, ctas: int, f
     set_index / first_set_rows: replicated: the woven schedule's half B (set 1) is stored after
         the rows half A's segments (first_set_rows: half A's row count) may take.
     """
-    tiles = tiles_for(layout, world, rows, hidden, ctas)
+    tiles = tiles_for(layout, world, rows, hidden, k, ctas)
     if layout is Layout.SEQUENCE_PARALLEL:
         return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
                         row0=chunk_row0, tiles=tiles)
@@ -128,12 +147,12 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, ctas: int, f
     return Segments(first=first, step=seg, rows=seg, total=rows, row0=row0, tiles=tiles)
 
 
-def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, ctas: int,
-                  first: int = 0, chunk_stride: int = 0) -> Segments:
+def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
+                  ctas: int, first: int = 0, chunk_stride: int = 0) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
     `chunk_stride` rows apart (`segments` says how)."""
-    return segments(layout, world, halves[i].rows, hidden=hidden, ctas=ctas, first=first,
+    return segments(layout, world, halves[i].rows, hidden=hidden, k=k, ctas=ctas, first=first,
                     chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
                     first_set_rows=halves[0].rows)
 

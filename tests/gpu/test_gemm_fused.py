@@ -8,7 +8,8 @@ through the communicator (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`), agains
 each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel's output):
 - both layouts; rows per chunk (sequence parallel) or in all (replicated) that are not tile
   multiples (1, 7, 100, 300, 1000, 1031; 1, 100, 1031 at TP 4 and 8); K 1024 / 3584, hidden
-  4096 / 5120; bf16 and fp16; between them every tile shape of ops/segments.py (asserted);
+  4096 / 5120; bf16 and fp16; every case twice, the second time on 8 GEMM CTAs; between them
+  every tile shape and both GEMM kernels of ops/segments.py (asserted);
   bias on rank 0 or none; with and without the norm; one call (inbox set 0) or a split pair
   (half A's consumer on a side stream beside half B's GEMM, sets 0 and 1);
 - outputs poisoned (NaN) before every call, so a row nobody wrote shows; results within a
@@ -111,9 +112,10 @@ class Case:
         self.side = torch.cuda.Stream(device=dev)
         self.tiles: set = set()  # the tile shapes its GEMMs took
 
-    def run(self, ctas_beside: int = 16) -> None:
-        """The layer's sequence: per half, its GEMM, then its consumer (on the side stream when
-        split, beside the next half's GEMM)."""
+    def run(self, ctas_beside: int = 16, gemm_ctas: int | None = None) -> None:
+        """The layer's sequence: per half, its GEMM (on gemm_ctas CTAs, default the SMs left
+        beside the consumer), then its consumer (on the side stream when split, beside the next
+        half's GEMM)."""
         from megatron_tokenweave.ops.segments import half_segments
 
         comm, world = self.comm, self.world
@@ -121,10 +123,11 @@ class Case:
         sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
         x3 = self.x.view(self.chunks, self.n, -1)
         done = []
-        ctas = sms - (ctas_beside if split else 0)
+        ctas = gemm_ctas or sms - (ctas_beside if split else 0)
         for i, h in enumerate(self.halves):
             seg = half_segments(self.layout, world, self.halves, i, hidden=comm.hidden,
-                                ctas=ctas, first=h.offset, chunk_stride=self.n)
+                                k=self.x.shape[1], ctas=ctas, first=h.offset,
+                                chunk_stride=self.n)
             self.tiles.add(seg.tiles)
             comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
                           else None, seg, i, ctas=ctas)
@@ -275,7 +278,7 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=dev if gpus > 1 else None)
     group = dist.group.WORLD
-    from megatron_tokenweave.ops.segments import LARGE, SMALL, WIDE
+    from megatron_tokenweave.ops.segments import LARGE, PINGPONG, SMALL, WIDE
 
     t0, ncases = time.time(), 0
     eager, tiles = {}, set()
@@ -284,9 +287,9 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
         comm.prepare_gemm()
         cases = list(_cases(comm, 1000 * ncases))
         for case in cases:
-            for repeat in range(2):  # the second call: the next epoch of the same set
-                case.poison()
-                case.run()
+            for repeat in range(2):  # the second call: the next epoch of the same set, on 8
+                case.poison()        # GEMM CTAs (where the ping-pong kernel takes most calls)
+                case.run(gemm_ctas=8 if repeat else None)
                 case.check(f"{world}-rank rank {rank} {dtype} {case.layout.value} n={case.n} "
                            f"K={case.x.shape[1]} H={hidden} halves={len(case.halves)} "
                            f"bias={case.bias is not None} norm={case.norm is not None} "
@@ -294,7 +297,7 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
             ncases += 1
         eager[(hidden, dtype)] = (comm, cases)
         tiles.update(*(case.tiles for case in cases))
-    assert tiles == {LARGE, WIDE, SMALL}, f"tile shapes exercised: {tiles}"
+    assert tiles == {LARGE, WIDE, SMALL, PINGPONG}, f"tile shapes exercised: {tiles}"
     comm, cases = eager[(4096, torch.bfloat16)]
     replays = _graph_replays(comm, cases[:6], rank)
     comm.symmetric.check_error()

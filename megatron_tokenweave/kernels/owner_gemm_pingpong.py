@@ -1,0 +1,207 @@
+"""The communicating row-parallel GEMM, warp-specialized (ping-pong), for the calls where the
+one-consumer kernel's epilogue shows (kernels/owner_gemm.py; the pick: ops.segments.tiles_for).
+
+Same arguments, tile order, stores and flag protocol as owner_gemm.py's kernel; the difference
+is who does what in a CTA:
+
+- a producer warp issues the TMA loads of every tile of the CTA into a ring of `stages` slots
+  (`ready[s]`: loaded, `empty[s]`: free again);
+- two consumer warpgroups take the CTA's tiles in turn (0, 2, 4... and 1, 3, 5...), each a
+  128 x 128 tile in its own registers: its MMAs, then its epilogue (bias, rounding, a layout
+  change to 16-byte rows, stores into the owner's inbox) while the other consumer's MMAs run.
+  A consumer starts a tile's MMAs only after the other issued its previous tile's (`turn`):
+  the MMAs alternate, and a slot's barrier parity always names the load the waiter wants.
+
+Why Gluon (Triton's explicit-layout dialect): the epilogue must overlap the next tile's MMAs,
+which on Hopper takes warp specialization; Triton 3.6's automatic one does not apply to sm_90,
+and Gluon gives it with the same Triton launcher, descriptors and helpers (`_tile_of`,
+`_region`) as the one-consumer kernel. Measured on one H200 (docs/kernel.md, "Ping-pong"): up
+to 1.05x of cuBLAS where owner_gemm.py's kernel reaches 0.90-0.96x on short-K shards; a
+system-scope fence in each consumer thread doubled the kernel's time at 1K tokens, so only the
+first consumer fences, after both are done (the partitions' join orders the second's stores).
+
+No `from __future__ import annotations` here: Gluon's aggregates check field annotations as
+types.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
+
+from megatron_tokenweave.kernels.owner_gemm import (
+    _EPOCH_WRAP,
+    _PER_CALL,
+    _publish,
+    _region,
+    _tile_of,
+)
+
+_PRODUCER_REGS = gl.constexpr(40)  # the load warp needs few registers ...
+_CONSUMER_REGS = gl.constexpr(232)  # ... so a consumer holds its 128 x 128 fp32 tile and epilogue
+_FLAG_LANES = gl.constexpr(128)  # flags stored at once after the join: a thread of consumer 0 each
+
+
+@aggregate
+class _Settings:
+    """Compile-time settings of a partition (constexprs passed to a partition as plain
+    arguments would arrive as runtime values)."""
+
+    consumer: gl.constexpr
+    has_bias: gl.constexpr
+    group_rows: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, consumer, has_bias, group_rows):
+        self.consumer = gl.constexpr(consumer)
+        self.has_bias = gl.constexpr(has_bias)
+        self.group_rows = gl.constexpr(group_rows)
+
+
+@gluon.constexpr_function
+def _row_layout(block_cols):
+    """Each thread 8 consecutive elements (one 16-byte store), a row's across adjacent lanes."""
+    per_row = min(32, block_cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _producer(cfg, a_desc, b_desc, a_bufs, b_bufs, ready, empty, first, step, start, blocks,
+              num_m, per_group, tiles, num_ctas, k_tiles):
+    """TMA loads of every (tile, K step) of this CTA, in order, one ring slot each."""
+    stages: gl.constexpr = a_bufs.shape[0]
+    bm: gl.constexpr = a_desc.block_type.shape[0]
+    bk: gl.constexpr = a_desc.block_type.shape[1]
+    bn: gl.constexpr = b_desc.block_type.shape[0]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    pos = 0
+    for tile in range(gl.program_id(0), tiles, num_ctas):
+        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, cfg.group_rows)
+        row = first + owner * step + m * bm
+        for kt in range(k_tiles):
+            slot = pos % stages
+            mbarrier.wait(empty.index(slot), ((pos // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row, kt * bk], ready.index(slot),
+                                            a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [pn * bn, kt * bk], ready.index(slot),
+                                            b_bufs.index(slot))
+            pos += 1
+
+
+@gluon.jit
+def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3, r4, r5, r6,
+              r7, slots_off, rank, slot_rows, row0, seg_rows, total, start, blocks, num_m,
+              per_group, tiles, num_ctas, k_tiles, N):
+    """Tiles cfg.consumer, cfg.consumer + 2, ... of this CTA: MMAs in turn with the other
+    consumer, then the epilogue into the owner's inbox slot `rank`."""
+    c: gl.constexpr = cfg.consumer
+    stages: gl.constexpr = a_bufs.shape[0]
+    bm: gl.constexpr = a_bufs.shape[1]
+    bn: gl.constexpr = b_bufs.shape[1]
+    out_dtype: gl.constexpr = a_bufs.dtype
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, bn, 16])
+    row_layout: gl.constexpr = _row_layout(bn)
+    rows = gl.arange(0, bm, layout=gl.SliceLayout(1, row_layout))
+    cols = gl.arange(0, bn, layout=gl.SliceLayout(0, row_layout))
+    acc_cols = gl.arange(0, bn, layout=gl.SliceLayout(0, mma))
+    local = c  # the tile's index among this CTA's; its K steps: ring positions from local * k_tiles
+    for tile in range(gl.program_id(0) + c * num_ctas, tiles, 2 * num_ctas):
+        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, cfg.group_rows)
+        pos = local * k_tiles
+        acc = gl.zeros((bm, bn), dtype=gl.float32, layout=mma)
+        turns = (local - c) // 2 + c - 1  # the other consumer's finished turns to wait for
+        mbarrier.wait(turn.index(c), turns & 1, pred=turns >= 0)
+        for kt in range(k_tiles):
+            slot = pos % stages
+            mbarrier.wait(ready.index(slot), (pos // stages) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((pos + stages - 1) % stages), pred=kt > 0)
+            pos += 1
+        mbarrier.arrive(turn.index(1 - c))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((pos + stages - 1) % stages))
+        local += 2
+        if cfg.has_bias:
+            bias = gl.load(bias_ptr + pn * bn + acc_cols, mask=pn * bn + acc_cols < N)
+            acc = acc + bias.to(gl.float32)[None, :]
+        out = gl.convert_layout(acc.to(out_dtype), row_layout)
+        valid = gl.minimum(seg_rows, total - owner * seg_rows) - m * bm
+        region = _region(owner, r0, r1, r2, r3, r4, r5, r6, r7)
+        dst = gl.multiple_of((region + slots_off).to(gl.pointer_type(out_dtype)), 16)
+        dst += (rank * slot_rows + row0 + m * bm).to(gl.int64) * N + pn * bn
+        gl.store(dst + (rows.to(gl.int64) * N)[:, None] + cols[None, :], out,
+                 mask=(rows < valid)[:, None] & (pn * bn + cols < N)[None, :])
+
+
+@gluon.jit(do_not_specialize=_PER_CALL)
+def _pingpong_kernel(
+    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
+    rank, set_index, set_words, flag_blocks, flag_tiles,
+    first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
+    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+):
+    bm: gl.constexpr = a_desc.block_type.shape[0]
+    bk: gl.constexpr = a_desc.block_type.shape[1]
+    bn: gl.constexpr = b_desc.block_type.shape[0]
+    last = gl.load(control_ptr + set_index)
+    epoch = gl.where(last >= _EPOCH_WRAP, 1, last + 1)
+    blocks = gl.cdiv(seg_rows, bm)
+    k_tiles = gl.cdiv(K, bk)
+    per_group = GROUP_M * gl.cdiv(N, bn)
+    tiles = num_m * gl.cdiv(N, bn)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, bm, bk], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, bn, bk], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    consumer_args = (a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3, r4, r5, r6,
+                     r7, slots_off, rank, slot_rows, row0, seg_rows, total, start, blocks, num_m,
+                     per_group, tiles, num_ctas, k_tiles, N)
+    gl.warp_specialize([
+        (_consumer, (_Settings(0, HAS_BIAS, GROUP_M),) + consumer_args),
+        (_consumer, (_Settings(1, HAS_BIAS, GROUP_M),) + consumer_args),
+        (_producer, (_Settings(0, HAS_BIAS, GROUP_M), a_desc, b_desc, a_bufs, b_bufs, ready,
+                     empty, first, step, start, blocks, num_m, per_group, tiles, num_ctas,
+                     k_tiles)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    # Publish once per CTA, as owner_gemm.py's kernel: after the join every store of both
+    # consumers is ordered before this thread's system-scope fence, so a relaxed flag store
+    # after it is a release.
+    lanes = gl.arange(0, _FLAG_LANES, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    done = gl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r",
+                                     [lanes * 0 + epoch], dtype=gl.int32, is_pure=False, pack=1)
+    for chunk in range(gl.program_id(0), tiles, num_ctas * _FLAG_LANES):
+        _publish(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group, GROUP_M,
+                 r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
+                 flag_tiles)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: int,
+           protocol: tuple, stages: int, group_rows: int, block: tuple[int, int, int]) -> None:
+    """Queue the kernel: `protocol` holds owner_gemm.py's kernel arguments from control_ptr on
+    (the same for both kernels); block = (rows, cols, k) of a consumer's tile."""
+    bm, bn, bk = block
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    a_desc = TensorDescriptor.from_tensor(x, [bm, bk],
+                                          gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
+    b_desc = TensorDescriptor.from_tensor(weight, [bn, bk],
+                                          gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
+    _pingpong_kernel[(grid,)](a_desc, b_desc, bias if bias is not None else weight, *protocol,
+                              HAS_BIAS=bias is not None, GROUP_M=group_rows, STAGES=stages,
+                              num_warps=4)
