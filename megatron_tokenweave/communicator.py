@@ -483,12 +483,15 @@ class Communicator:
 
 
 def _check_gemm_support(device: torch.device) -> None:
-    """The GEMM-fused mechanism's kernel needs Triton and TMA (sm_90 or newer): a clear error
-    on every rank before its inbox is made (every rank of a node has the same GPUs)."""
+    """The GEMM-fused mechanism's kernels need Triton with Gluon (3.6 or newer) and TMA (sm_90
+    or newer): a clear error on every rank before its inbox is made (every rank of a node has
+    the same GPUs and packages)."""
     try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise TokenWeaveInputError(f"comm='gemm' needs triton ({exc})") from None
+        import megatron_tokenweave.kernels.owner_gemm  # noqa: F401
+        import megatron_tokenweave.kernels.owner_gemm_pingpong  # noqa: F401
+    except (ImportError, AttributeError) as exc:
+        raise TokenWeaveInputError(
+            f"comm='gemm' needs triton 3.6 or newer with Gluon ({exc})") from None
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         raise TokenWeaveInputError(

@@ -44,6 +44,8 @@ from megatron_tokenweave.kernels.owner_gemm import (
     _tile_of,
 )
 
+# Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _PRODUCER_REGS = gl.constexpr(40)  # the load warp needs few registers ...
 _CONSUMER_REGS = gl.constexpr(232)  # ... so a consumer holds its 128 x 128 fp32 tile and epilogue
 _FLAG_LANES = gl.constexpr(128)  # flags stored at once after the join: a thread of consumer 0 each
@@ -89,10 +91,8 @@ def _producer(cfg, a_desc, b_desc, a_bufs, b_bufs, ready, empty, first, step, st
             slot = pos % stages
             mbarrier.wait(empty.index(slot), ((pos // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row, kt * bk], ready.index(slot),
-                                            a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [pn * bn, kt * bk], ready.index(slot),
-                                            b_bufs.index(slot))
+            _tma_load(a_desc, [row, kt * bk], ready.index(slot), a_bufs.index(slot))
+            _tma_load(b_desc, [pn * bn, kt * bk], ready.index(slot), b_bufs.index(slot))
             pos += 1
 
 
