@@ -7,11 +7,11 @@ at 0.97-1.07x of cuBLAS on an H200 before any epilogue work, and its epilogue is
 we own (16-byte stores to any rank's mapped address, a fence and flag stores), where cuBLAS's
 epilogue is closed and a CUTLASS collective would need a custom epilogue visitor per layout.
 docs/kernel.md has the measurements that shaped it: with the stores and flags it runs at
-0.98-1.02x of cuBLAS on the long shard GEMMs and 0.87-0.97x on the short ones; a system-scope
-fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once, after its
-last tile. Tile shapes and geometry: ops/segments.py; the consumer:
-csrc/include/tokenweave/gemm_reduce.cuh; the warp-specialized kernel for the calls where this
-one's epilogue shows: owner_gemm_pingpong.py.
+0.98-1.02x of cuBLAS on the long shard GEMMs and 0.87-0.97x on the short ones, whose epilogue
+shows between main loops (the warp-specialized owner_gemm_pingpong.py takes those calls where
+it measured faster: ops/segments.tiles_for); a system-scope fence per tile cost 5-10 %, so each
+CTA publishes the flags of all its tiles once, after its last tile. Tile shapes and geometry:
+ops/segments.py; the consumer: csrc/include/tokenweave/gemm_reduce.cuh.
 
 Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row
 blocks (weight tiles reused in L2), over the call's non-empty row blocks from segment rank + 1's
@@ -28,11 +28,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_tokenweave.kernels.inbox import GemmInbox
+from megatron_tokenweave.kernels.owner_protocol import (
+    EPOCH_WRAP,
+    PER_CALL,
+    publish_flags,
+    region_base,
+    tile_of,
+)
 from megatron_tokenweave.ops.segments import Segments
 from megatron_tokenweave.ops.validate import MAX_RANKS
-
-# gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 2^31 - 1
-_EPOCH_WRAP = tl.constexpr(0x7FFFFFFF)
 
 
 @triton.jit
@@ -48,55 +52,7 @@ def _store_tile(dst, acc, bias_ptr, valid_rows, col0, N, HAS_BIAS: tl.constexpr,
              mask=(rows < valid_rows)[:, None] & (col0 + cols < N)[None, :])
 
 
-@triton.jit
-def _tile_of(tile, start, blocks, num_m, per_group, GROUP_M: tl.constexpr):
-    """(owner, row block within its segment, column tile) of linear tile indices: grouped
-    order (GROUP_M row blocks share the weight tiles in L2) over the call's non-empty row blocks
-    (segment c's at c * blocks + m), rotated to begin at `start` (segment rank + 1's)."""
-    group = tile // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    vm = (first_m + (tile % per_group) % group_size + start) % num_m
-    pn = (tile % per_group) // group_size
-    return vm // blocks, vm % blocks, pn
-
-
-@triton.jit
-def _region(owner, r0, r1, r2, r3, r4, r5, r6, r7):
-    """The base address of rank `owner`'s inbox region: selected among scalar arguments, so
-    neither the epilogue nor the flags wait on a load for it."""
-    base = tl.where(owner == 1, r1, r0)
-    base = tl.where(owner == 2, r2, base)
-    base = tl.where(owner == 3, r3, base)
-    base = tl.where(owner == 4, r4, base)
-    base = tl.where(owner == 5, r5, base)
-    base = tl.where(owner == 6, r6, base)
-    return tl.where(owner == 7, r7, base)
-
-
-@triton.jit
-def _publish(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
-             r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
-             flag_tiles):
-    """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
-    system-scope store, a release after the caller's fence (both kernels' tails)."""
-    f_owner, f_m, f_pn = _tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
-    flags = _region(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
-    flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-        "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
-        "=r,l,r,r", [flag, epoch, (mine < tiles).to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-# The call's geometry changes from call to call: not specialized (no recompilation per token
-# count; N and K stay specialized, their divisibility gives the 16-byte stores).
-_PER_CALL = ("rank", "set_index", "first", "step", "seg_rows", "total", "row0", "num_m",
-             "start", "num_ctas")
-
-
-@triton.jit(do_not_specialize=_PER_CALL)
+@triton.jit(do_not_specialize=PER_CALL)
 def _owner_gemm_kernel(
     a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
     rank, set_index, set_words, flag_blocks, flag_tiles,
@@ -107,7 +63,7 @@ def _owner_gemm_kernel(
 ):
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     last = tl.load(control_ptr + set_index)
-    epoch = tl.where(last >= _EPOCH_WRAP, 1, last + 1)
+    epoch = tl.where(last >= EPOCH_WRAP, 1, last + 1)
     blocks = tl.cdiv(seg_rows, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -116,7 +72,7 @@ def _owner_gemm_kernel(
     # Only non-empty row blocks are tiles (num_m of them); rows past a segment's end in its last
     # block are computed and masked off.
     for tile in tl.range(tl.program_id(0), num_m * num_n, num_ctas, flatten=True):
-        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
+        owner, m, pn = tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
         valid = min(seg_rows, total - owner * seg_rows) - m * BM  # rows of this tile to store
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(k_tiles):
@@ -124,7 +80,7 @@ def _owner_gemm_kernel(
             b = b_desc.load([pn * BN, kt * BK])
             acc = tl.dot(a, b.T, acc)
         # Inbox slots are 256-byte aligned: said so, the stores become 16-byte vectors.
-        region = _region(owner, r0, r1, r2, r3, r4, r5, r6, r7)
+        region = region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7)
         dst = tl.multiple_of((region + slots_off).to(tl.pointer_type(out_dtype)), 16)
         dst += (rank * slot_rows + row0 + m * BM).to(tl.int64) * N + pn * BN
         if HALVES:  # two column halves: half the store addresses live at once
@@ -143,9 +99,9 @@ def _owner_gemm_kernel(
                                      [epoch], dtype=tl.int32, is_pure=False, pack=1)
     lanes = tl.arange(0, FLAG_LANES)
     for chunk in range(tl.program_id(0), num_m * num_n, num_ctas * FLAG_LANES):
-        _publish(chunk + lanes * num_ctas, num_m * num_n, done + lanes * 0, start, blocks,
-                 num_m, per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index,
-                 set_words, flag_blocks, flag_tiles)
+        publish_flags(chunk + lanes * num_ctas, num_m * num_n, done + lanes * 0, start, blocks,
+                      num_m, per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank,
+                      set_index, set_words, flag_blocks, flag_tiles)
 
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -14,11 +14,12 @@ is who does what in a CTA:
 
 Why Gluon (Triton's explicit-layout dialect): the epilogue must overlap the next tile's MMAs,
 which on Hopper takes warp specialization; Triton 3.6's automatic one does not apply to sm_90,
-and Gluon gives it with the same Triton launcher, descriptors and helpers (`_tile_of`,
-`_region`) as the one-consumer kernel. Measured on one H200 (docs/kernel.md, "Ping-pong"): up
-to 1.05x of cuBLAS where owner_gemm.py's kernel reaches 0.90-0.96x on short-K shards; a
-system-scope fence in each consumer thread doubled the kernel's time at 1K tokens, so only the
-first consumer fences, after both are done (the partitions' join orders the second's stores).
+and Gluon gives it with the same Triton launcher, descriptors and device functions
+(owner_protocol.py) as the one-consumer kernel. Measured on one H200 (docs/kernel.md,
+"Ping-pong"): up to 1.05x of cuBLAS where owner_gemm.py's kernel reaches 0.90-0.96x on short-K
+shards; a system-scope fence in each consumer thread doubled the kernel's time at 1K tokens, so
+only the first consumer fences, after both are done (the partitions' join orders the second's
+stores).
 
 No `from __future__ import annotations` here: Gluon's aggregates check field annotations as
 types.
@@ -36,12 +37,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from megatron_tokenweave.kernels.owner_gemm import (
-    _EPOCH_WRAP,
-    _PER_CALL,
-    _publish,
-    _region,
-    _tile_of,
+from megatron_tokenweave.kernels.owner_protocol import (
+    EPOCH_WRAP,
+    PER_CALL,
+    publish_flags,
+    region_base,
+    tile_of,
 )
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
@@ -85,7 +86,7 @@ def _producer(cfg, a_desc, b_desc, a_bufs, b_bufs, ready, empty, first, step, st
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     pos = 0
     for tile in range(gl.program_id(0), tiles, num_ctas):
-        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, cfg.group_rows)
+        owner, m, pn = tile_of(tile, start, blocks, num_m, per_group, cfg.group_rows)
         row = first + owner * step + m * bm
         for kt in range(k_tiles):
             slot = pos % stages
@@ -115,7 +116,7 @@ def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3,
     acc_cols = gl.arange(0, bn, layout=gl.SliceLayout(0, mma))
     local = c  # the tile's index among this CTA's; its K steps: ring positions from local * k_tiles
     for tile in range(gl.program_id(0) + c * num_ctas, tiles, 2 * num_ctas):
-        owner, m, pn = _tile_of(tile, start, blocks, num_m, per_group, cfg.group_rows)
+        owner, m, pn = tile_of(tile, start, blocks, num_m, per_group, cfg.group_rows)
         pos = local * k_tiles
         acc = gl.zeros((bm, bn), dtype=gl.float32, layout=mma)
         turns = (local - c) // 2 + c - 1  # the other consumer's finished turns to wait for
@@ -137,14 +138,14 @@ def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3,
             acc = acc + bias.to(gl.float32)[None, :]
         out = gl.convert_layout(acc.to(out_dtype), row_layout)
         valid = gl.minimum(seg_rows, total - owner * seg_rows) - m * bm
-        region = _region(owner, r0, r1, r2, r3, r4, r5, r6, r7)
+        region = region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7)
         dst = gl.multiple_of((region + slots_off).to(gl.pointer_type(out_dtype)), 16)
         dst += (rank * slot_rows + row0 + m * bm).to(gl.int64) * N + pn * bn
         gl.store(dst + (rows.to(gl.int64) * N)[:, None] + cols[None, :], out,
                  mask=(rows < valid)[:, None] & (pn * bn + cols < N)[None, :])
 
 
-@gluon.jit(do_not_specialize=_PER_CALL)
+@gluon.jit(do_not_specialize=PER_CALL)
 def _pingpong_kernel(
     a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
     rank, set_index, set_words, flag_blocks, flag_tiles,
@@ -155,7 +156,7 @@ def _pingpong_kernel(
     bk: gl.constexpr = a_desc.block_type.shape[1]
     bn: gl.constexpr = b_desc.block_type.shape[0]
     last = gl.load(control_ptr + set_index)
-    epoch = gl.where(last >= _EPOCH_WRAP, 1, last + 1)
+    epoch = gl.where(last >= EPOCH_WRAP, 1, last + 1)
     blocks = gl.cdiv(seg_rows, bm)
     k_tiles = gl.cdiv(K, bk)
     per_group = GROUP_M * gl.cdiv(N, bn)
@@ -187,9 +188,9 @@ def _pingpong_kernel(
     done = gl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r",
                                      [lanes * 0 + epoch], dtype=gl.int32, is_pure=False, pack=1)
     for chunk in range(gl.program_id(0), tiles, num_ctas * _FLAG_LANES):
-        _publish(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group, GROUP_M,
-                 r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
-                 flag_tiles)
+        publish_flags(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group,
+                      GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words,
+                      flag_blocks, flag_tiles)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: int,

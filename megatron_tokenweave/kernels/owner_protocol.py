@@ -1,0 +1,60 @@
+"""What both communicating row-parallel GEMM kernels share (owner_gemm.py's and
+owner_gemm_pingpong.py's): the epoch rule, the tile order, the owners' inbox addresses and the
+flag stores, as Triton device functions (Gluon kernels call them too), and the launch arguments
+that change from call to call."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 2^31 - 1
+EPOCH_WRAP = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def tile_of(tile, start, blocks, num_m, per_group, GROUP_M: tl.constexpr):
+    """(owner, row block within its segment, column tile) of linear tile indices: grouped
+    order (GROUP_M row blocks share the weight tiles in L2) over the call's non-empty row blocks
+    (segment c's at c * blocks + m), rotated to begin at `start` (segment rank + 1's)."""
+    group = tile // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    vm = (first_m + (tile % per_group) % group_size + start) % num_m
+    pn = (tile % per_group) // group_size
+    return vm // blocks, vm % blocks, pn
+
+
+@triton.jit
+def region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7):
+    """The base address of rank `owner`'s inbox region: selected among scalar arguments, so
+    neither the epilogue nor the flags wait on a load for it."""
+    base = tl.where(owner == 1, r1, r0)
+    base = tl.where(owner == 2, r2, base)
+    base = tl.where(owner == 3, r3, base)
+    base = tl.where(owner == 4, r4, base)
+    base = tl.where(owner == 5, r5, base)
+    base = tl.where(owner == 6, r6, base)
+    return tl.where(owner == 7, r7, base)
+
+
+@triton.jit
+def publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
+             r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
+             flag_tiles):
+    """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
+    system-scope store, a release after the caller's fence (both kernels' tails)."""
+    f_owner, f_m, f_pn = tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
+    flags = region_base(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
+    flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
+        "=r,l,r,r", [flag, epoch, (mine < tiles).to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+# The call's geometry changes from call to call: not specialized (no recompilation per token
+# count; N and K stay specialized, their divisibility gives the 16-byte stores).
+PER_CALL = ("rank", "set_index", "first", "step", "seg_rows", "total", "row0", "num_m",
+             "start", "num_ctas")
