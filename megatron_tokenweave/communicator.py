@@ -487,8 +487,7 @@ def _check_gemm_support(device: torch.device) -> None:
     or newer): a clear error on every rank before its inbox is made (every rank of a node has
     the same GPUs and packages)."""
     try:
-        import megatron_tokenweave.kernels.owner_gemm  # noqa: F401
-        import megatron_tokenweave.kernels.owner_gemm_pingpong  # noqa: F401
+        import megatron_tokenweave.kernels.owner_gemm  # noqa: F401 (both kernels)
     except (ImportError, AttributeError) as exc:
         raise TokenWeaveInputError(
             f"comm='gemm' needs triton 3.6 or newer with Gluon ({exc})") from None

@@ -6,6 +6,8 @@ CTA (the flags' release), the properties docs/kernel.md relies on."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -14,12 +16,13 @@ pytest.importorskip("triton.experimental.gluon")
 
 from megatron_tokenweave.ops.segments import LARGE, PINGPONG, SMALL, WIDE  # noqa: E402
 
-# Arguments the launcher's specialization marks 16-divisible (not in owner_gemm._PER_CALL).
+# Arguments the launcher's specialization marks 16-divisible (not in owner_protocol.PER_CALL).
 ALIGNED = ("N", "K", "slots_off", "control_ptr", "bias_ptr") + tuple(f"r{i}" for i in range(8))
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _signature(fn, descriptors: dict, dtype: torch.dtype, consts: dict) -> tuple:
+def _signature(fn: Any, descriptors: dict, dtype: torch.dtype, consts: dict) -> tuple:
+    """The launcher's specialization of a kernel: types, constexprs, 16-divisible arguments."""
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(descriptors, bias_ptr="*" + TYPES[dtype], control_ptr="*i32",
                **{f"r{i}": "i64" for i in range(8)}, **dict.fromkeys(consts, "constexpr"))
@@ -27,7 +30,7 @@ def _signature(fn, descriptors: dict, dtype: torch.dtype, consts: dict) -> tuple
     return sig, attrs
 
 
-def _compile(source, warps: int, stages: int | None = None) -> str:
+def _compile(source: Any, warps: int, stages: int | None = None) -> str:
     from triton.backends.compiler import GPUTarget
 
     options = {"num_warps": warps} | ({"num_stages": stages} if stages else {})

@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_tokenweave.kernels.inbox import GemmInbox
+from megatron_tokenweave.kernels.owner_gemm_pingpong import launch as launch_pingpong
 from megatron_tokenweave.kernels.owner_protocol import (
     EPOCH_WRAP,
     PER_CALL,
@@ -122,10 +123,7 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 seg.rows, seg.total, seg.row0, inbox.slot_rows, num_m, start, weight.shape[0],
                 weight.shape[1], grid)
     if t.consumers == 2:
-        from megatron_tokenweave.kernels.owner_gemm_pingpong import launch
-
-        launch(x, weight, bias, grid, protocol, t.stages, t.group_rows,
-               (t.block_rows, t.block_cols, t.block_k))
+        launch_pingpong(x, weight, bias, grid, protocol, t)
         return
     a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])

@@ -16,10 +16,10 @@ Why Gluon (Triton's explicit-layout dialect): the epilogue must overlap the next
 which on Hopper takes warp specialization; Triton 3.6's automatic one does not apply to sm_90,
 and Gluon gives it with the same Triton launcher, descriptors and device functions
 (owner_protocol.py) as the one-consumer kernel. Measured on one H200 (docs/kernel.md,
-"Ping-pong"): up to 1.05x of cuBLAS where owner_gemm.py's kernel reaches 0.90-0.96x on short-K
-shards; a system-scope fence in each consumer thread doubled the kernel's time at 1K tokens, so
-only the first consumer fences, after both are done (the partitions' join orders the second's
-stores).
+"Ping-pong"): 1.00-1.05x of cuBLAS at 4K-8K tokens of the short-K shards, where owner_gemm.py's
+kernel gave 0.90-0.95x; a system-scope fence in each consumer thread doubled the kernel's time
+at 1K tokens, so only the first consumer fences, after both are done (the partitions' join
+orders the second's stores).
 
 No `from __future__ import annotations` here: Gluon's aggregates check field annotations as
 types.
@@ -44,6 +44,7 @@ from megatron_tokenweave.kernels.owner_protocol import (
     region_base,
     tile_of,
 )
+from megatron_tokenweave.ops.segments import GemmTiles
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -194,15 +195,15 @@ def _pingpong_kernel(
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: int,
-           protocol: tuple, stages: int, group_rows: int, block: tuple[int, int, int]) -> None:
+           protocol: tuple, tiles: GemmTiles) -> None:
     """Queue the kernel: `protocol` holds owner_gemm.py's kernel arguments from control_ptr on
-    (the same for both kernels); block = (rows, cols, k) of a consumer's tile."""
-    bm, bn, bk = block
+    (the same for both kernels); `tiles` a consumer's tile and the pipeline (PINGPONG)."""
+    bm, bn, bk = tiles.block_rows, tiles.block_cols, tiles.block_k
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     a_desc = TensorDescriptor.from_tensor(x, [bm, bk],
                                           gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
     b_desc = TensorDescriptor.from_tensor(weight, [bn, bk],
                                           gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
     _pingpong_kernel[(grid,)](a_desc, b_desc, bias if bias is not None else weight, *protocol,
-                              HAS_BIAS=bias is not None, GROUP_M=group_rows, STAGES=stages,
-                              num_warps=4)
+                              HAS_BIAS=bias is not None, GROUP_M=tiles.group_rows,
+                              STAGES=tiles.stages, num_warps=tiles.warps)
