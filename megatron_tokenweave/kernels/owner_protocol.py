@@ -40,8 +40,8 @@ def region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7):
 
 @triton.jit
 def publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
-             r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
-             flag_tiles):
+                  r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
+                  flag_tiles):
     """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
     system-scope store, a release after the caller's fence (both kernels' tails)."""
     f_owner, f_m, f_pn = tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
@@ -57,4 +57,4 @@ def publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: 
 # The call's geometry changes from call to call: not specialized (no recompilation per token
 # count; N and K stay specialized, their divisibility gives the 16-byte stores).
 PER_CALL = ("rank", "set_index", "first", "step", "seg_rows", "total", "row0", "num_m",
-             "start", "num_ctas")
+            "start", "num_ctas")
