@@ -141,22 +141,20 @@ def test_outputs_take_every_tile_shape():
 def test_tiles_of_the_measured_shapes():
     """The cases the one-GPU benchmark settled (docs/kernel.md), replicated on 132 SMs.
     One consumer: Llama-3-8B at 512 tokens takes 64 x 256 tiles (128 x 256 would leave half
-    the SMs idle), at 1024 the large ones; Llama-70B at 512 tokens and TP 8 keeps the large
-    ones (four owners of 128 rows); a decode-sized call the small ones. Ping-pong: the short-K
-    shards (o_proj at TP 4 and 8, fc2 at TP 8 of Llama-3-8B) from 3 tiles per CTA, the long ones
-    at 8K tokens of Llama-70B only."""
+    the SMs idle), at 1024 and long K the large ones; Llama-70B at 512 tokens and TP 8 keeps the
+    large ones (four owners of 128 rows); a decode-sized call the small ones. Ping-pong: from 3
+    tiles per CTA, and from 2 (1024 tokens of Llama-3-8B) for short K."""
     rep = Layout.REPLICATED
     assert tiles_for(rep, 2, 512, 4096, 2048, 132) is WIDE
     assert tiles_for(rep, 4, 512, 4096, 1024, 132) is WIDE
-    assert tiles_for(rep, 2, 1024, 4096, 2048, 132) is LARGE
-    assert tiles_for(rep, 8, 512, 8192, 1024, 132) is LARGE
+    assert tiles_for(rep, 2, 1024, 4096, 7168, 132) is LARGE  # 1.9 tiles per CTA, long K
+    assert tiles_for(rep, 2, 512, 8192, 4096, 132) is LARGE
     assert tiles_for(rep, 2, 4, 4096, 2048, 132) is SMALL
-    assert tiles_for(rep, 8, 1024, 4096, 512, 132) is LARGE  # 1.9 tiles per CTA
-    assert tiles_for(rep, 8, 2048, 4096, 512, 132) is PINGPONG
+    assert tiles_for(rep, 8, 1024, 4096, 512, 132) is PINGPONG  # 1.9 tiles per CTA, short K
+    assert tiles_for(rep, 8, 512, 8192, 1024, 132) is PINGPONG
     assert tiles_for(rep, 8, 2048, 4096, 1792, 132) is PINGPONG
-    assert tiles_for(rep, 8, 1024, 8192, 1024, 132) is PINGPONG
-    assert tiles_for(rep, 8, 4096, 8192, 3584, 132) is LARGE
-    assert tiles_for(rep, 2, 8192, 8192, 14336, 132) is PINGPONG
+    assert tiles_for(rep, 4, 2048, 4096, 3584, 132) is PINGPONG  # 3.9 tiles per CTA
+    assert tiles_for(rep, 2, 1024, 8192, 14336, 132) is PINGPONG
 
 
 # --------------------------------------------------------------------------- emulation

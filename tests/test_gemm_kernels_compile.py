@@ -47,7 +47,7 @@ def test_one_consumer_kernel_compiles_for_sm90(tiles, bias, dtype):
 
     consts = dict(HAS_BIAS=bias, OUT_BF16=dtype == torch.bfloat16, BM=tiles.block_rows,
                   BN=tiles.block_cols, BK=tiles.block_k, GROUP_M=tiles.group_rows,
-                  HALVES=tiles.block_cols >= 256, FLAG_LANES=32)
+                  HALVES=tiles.block_cols >= 256, FLAG_LANES=32, RELEASE=True)
     t = TYPES[dtype]
     sig, attrs = _signature(fn, {
         "a_desc": f"tensordesc<{t}[{tiles.block_rows}, {tiles.block_k}]>",
@@ -76,7 +76,7 @@ def test_pingpong_kernel_compiles_for_sm90(bias, dtype):
         layout = gl.NVMMASharedLayout.get_default_for([rows, t.block_k], gdt)
         return mangle_type(TensorDescriptor.from_tensor(host, [rows, t.block_k], layout))
 
-    consts = dict(HAS_BIAS=bias, GROUP_M=t.group_rows, STAGES=t.stages)
+    consts = dict(HAS_BIAS=bias, GROUP_M=t.group_rows, STAGES=t.stages, RELEASE=True)
     sig, attrs = _signature(fn, {"a_desc": desc(t.block_rows), "b_desc": desc(t.block_cols)},
                             dtype, consts)
     ptx = _compile(GluonASTSource(fn, sig, consts, attrs), t.warps)

@@ -4,14 +4,17 @@
 
 Per model (Llama-3.3-70B, Llama-3-8B shapes), row-parallel GEMM (o_proj, fc2), TP size (the
 rank's shard: K = in-features / TP) and token count: `cublas` (torch.matmul into a preallocated
-output), `te` (a TransformerEngine Linear of the same shard, where TE is installed) and
+output), `te` (a TransformerEngine Linear of the same shard, where TE is installed),
 `tokenweave` (kernels/owner_gemm.py: its epilogue stores every tile another rank owns into that
 rank's inbox and publishes a flag; here the TP-1 peers' inboxes are separate local allocations,
-GemmInbox.loopback, so the stores and flags are all paid, only the NVLink is not). Replicated
-layout (what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph;
-replays interleaved (bench/timing.py), bf16, medians. The tokenweave rows are checked against
-cuBLAS before timing. The reduction that consumes the tiles needs peers: its timing is part of
-the 2-GPU kernel benchmark.
+GemmInbox.loopback, so the stores and flags are all paid, only the NVLink is not) and
+`tokenweave_unreleased` (the same calls without the CTAs' fence and flag stores, which no
+consumer could use: what the release costs). Replicated layout (what Megatron's engines run),
+all SMs (the unsplit case). Each impl is one CUDA graph of CALLS calls back to back on as many
+inputs (a graph of a single call also times its replay's launch, microseconds beside GEMMs of
+10-30 us); replays interleaved (bench/timing.py), bf16, medians per call. The tokenweave rows
+are checked against cuBLAS before timing. The reduction that consumes the tiles needs peers:
+its timing is part of the 2-GPU kernel benchmark.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from megatron_tokenweave.ops.segments import segments
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
+CALLS = 10  # calls per timed graph
 
 
 def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor], object] | None:
@@ -57,33 +61,36 @@ def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
         seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
-        x = torch.randn(tokens, k, device=dev, dtype=dtype)
+        xs = [torch.randn(tokens, k, device=dev, dtype=dtype) for _ in range(CALLS)]
         w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
         out = torch.empty(tokens, n, device=dev, dtype=dtype)
         impls = {
-            "cublas": lambda x=x, w=w, out=out: torch.matmul(x, w.t(), out=out),
-            "tokenweave": lambda x=x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms),
+            "cublas": lambda x, w=w, out=out: torch.matmul(x, w.t(), out=out),
+            "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms),
+            "tokenweave_unreleased": lambda x, w=w, seg=seg: owner_gemm(
+                x, w, None, inbox, seg, 0, sms, release=False),
         }
         te = _te_linear(k, n, w)
         if te is not None:
-            impls["te"] = lambda x=x, te=te: te(x)
-        _check(impls, inbox, seg, out)
+            impls["te"] = lambda x, te=te: te(x)
+        _check(impls, inbox, seg, xs[0], out)
         with torch.no_grad():
-            graphs = {impl: capture_graph(fn) for impl, fn in impls.items()}
+            graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
+                      for impl, fn in impls.items()}
         us = interleaved_medians({i: (lambda _, g=g: g.replay()) for i, g in graphs.items()},
                                  iters=iters)
         rows += [dict(model=model, gemm=name, tp=tp, tokens=tokens, impl=impl,
-                      us=round(t, 2)) for impl, t in us.items()]
+                      us=round(t / CALLS, 2)) for impl, t in us.items()]
     inbox.close()
     return rows
 
 
-def _check(impls: dict, inbox, seg, out: torch.Tensor) -> None:
+def _check(impls: dict, inbox, seg, x: torch.Tensor, out: torch.Tensor) -> None:
     """The communicating GEMM's tiles, in every owner's slot of rank 0, equal cuBLAS's rows."""
-    impls["cublas"]()
+    impls["cublas"](x)
     for slots in inbox.owner_slots:
         slots.fill_(float("nan"))
-    impls["tokenweave"]()
+    impls["tokenweave"](x)
     torch.cuda.synchronize()
     for c, slots in enumerate(inbox.owner_slots):
         n = seg.length(c)
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{model} TP={tp} {tokens:5d} tokens: " + ", ".join(
                     f"{g} cublas/tokenweave {us[(g, 'cublas')] / us[(g, 'tokenweave')]:.3f}"
                     + (f" te/tokenweave {us[(g, 'te')] / us[(g, 'tokenweave')]:.3f}"
-                       if (g, "te") in us else "") for g in GEMMS), flush=True)
+                       if (g, "te") in us else "")
+                    + f" (unreleased {us[(g, 'cublas')] / us[(g, 'tokenweave_unreleased')]:.3f})"
+                    for g in GEMMS), flush=True)
     write_result("gemm_fused", argv, rows, args.out, _plot)
 
 

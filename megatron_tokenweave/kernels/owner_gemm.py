@@ -32,8 +32,8 @@ from megatron_tokenweave.kernels.owner_gemm_pingpong import launch as launch_pin
 from megatron_tokenweave.kernels.owner_protocol import (
     EPOCH_WRAP,
     PER_CALL,
-    publish_flags,
     region_base,
+    release_tiles,
     tile_of,
 )
 from megatron_tokenweave.ops.segments import Segments
@@ -60,7 +60,7 @@ def _owner_gemm_kernel(
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
     HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, FLAG_LANES: tl.constexpr,
+    HALVES: tl.constexpr, FLAG_LANES: tl.constexpr, RELEASE: tl.constexpr,
 ):
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     last = tl.load(control_ptr + set_index)
@@ -91,26 +91,24 @@ def _owner_gemm_kernel(
                         HAS_BIAS, BM, BN // 2)
         else:
             _store_tile(dst, acc, bias_ptr, valid, pn * BN, N, HAS_BIAS, BM, BN)
-    # Publish once per CTA (a system-scope fence per tile cost 5-10 % of the GEMM, measured):
-    # the CTA synchronizes, then every thread's fence makes every store the CTA ordered visible
-    # system-wide (cumulative through the barrier), so any thread's relaxed flag store after it
-    # is a release. The flags of FLAG_LANES tiles go out at once, addresses computed, not
-    # loaded: a serial loop of loads and stores here cost 2-4 % of short GEMMs (measured).
-    done = tl.inline_asm_elementwise("bar.sync 0; fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r",
-                                     [epoch], dtype=tl.int32, is_pure=False, pack=1)
-    lanes = tl.arange(0, FLAG_LANES)
-    for chunk in range(tl.program_id(0), num_m * num_n, num_ctas * FLAG_LANES):
-        publish_flags(chunk + lanes * num_ctas, num_m * num_n, done + lanes * 0, start, blocks,
-                      num_m, per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank,
-                      set_index, set_words, flag_blocks, flag_tiles)
+    # Publish once per CTA, after its last tile; the flags' addresses are computed, not loaded
+    # (a serial loop of loads and stores here cost 2-4 % of short GEMMs, measured).
+    if RELEASE:
+        tl.debug_barrier()
+        release_tiles(tl.arange(0, FLAG_LANES), num_m * num_n, epoch, start, blocks, num_m,
+                      per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index,
+                      set_words, flag_blocks, flag_tiles, num_ctas)
 
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int) -> None:
+               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, *,
+               release: bool = True) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
     ctas: persistent CTAs (the SMs left to the GEMM). The segments' tiles pick the kernel:
-    this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster."""
+    this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster.
+    release=False leaves out the fence and the flags (no consumer can use such a call): the
+    one-GPU benchmark's measure of what the release costs."""
     num_m = seg.nonempty_blocks(inbox.world)
     if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
         return
@@ -123,7 +121,7 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 seg.rows, seg.total, seg.row0, inbox.slot_rows, num_m, start, weight.shape[0],
                 weight.shape[1], grid)
     if t.consumers == 2:
-        launch_pingpong(x, weight, bias, grid, protocol, t)
+        launch_pingpong(x, weight, bias, grid, protocol, t, release)
         return
     a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
@@ -131,4 +129,5 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         a_desc, b_desc, bias if bias is not None else weight, *protocol,
         HAS_BIAS=bias is not None, OUT_BF16=x.dtype == torch.bfloat16,
         BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
-        HALVES=t.block_cols >= 256, FLAG_LANES=32, num_warps=t.warps, num_stages=t.stages)
+        HALVES=t.block_cols >= 256, FLAG_LANES=32, RELEASE=release, num_warps=t.warps,
+        num_stages=t.stages)

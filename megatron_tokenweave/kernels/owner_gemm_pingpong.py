@@ -18,8 +18,8 @@ and Gluon gives it with the same Triton launcher, descriptors and device functio
 (owner_protocol.py) as the one-consumer kernel. Measured on one H200 (docs/kernel.md,
 "Ping-pong"): 1.00-1.05x of cuBLAS at 4K-8K tokens of the short-K shards, where owner_gemm.py's
 kernel gave 0.90-0.95x; a system-scope fence in each consumer thread doubled the kernel's time
-at 1K tokens, so only the first consumer fences, after both are done (the partitions' join
-orders the second's stores).
+at 1K tokens, so only warp 0 fences, after both are done (the partitions' join orders every
+consumer's stores).
 
 No `from __future__ import annotations` here: Gluon's aggregates check field annotations as
 types.
@@ -40,8 +40,8 @@ from triton.language.core import _aggregate as aggregate
 from megatron_tokenweave.kernels.owner_protocol import (
     EPOCH_WRAP,
     PER_CALL,
-    publish_flags,
     region_base,
+    release_tiles,
     tile_of,
 )
 from megatron_tokenweave.ops.segments import GemmTiles
@@ -50,7 +50,7 @@ from megatron_tokenweave.ops.segments import GemmTiles
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _PRODUCER_REGS = gl.constexpr(40)  # the load warp needs few registers ...
 _CONSUMER_REGS = gl.constexpr(232)  # ... so a consumer holds its 128 x 128 fp32 tile and epilogue
-_FLAG_LANES = gl.constexpr(128)  # flags stored at once after the join: a thread of consumer 0 each
+_FLAG_LANES = gl.constexpr(32)  # flags stored at once after the join: a thread of warp 0 each
 
 
 @aggregate
@@ -151,7 +151,7 @@ def _pingpong_kernel(
     a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
     rank, set_index, set_words, flag_blocks, flag_tiles,
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, RELEASE: gl.constexpr,
 ):
     bm: gl.constexpr = a_desc.block_type.shape[0]
     bk: gl.constexpr = a_desc.block_type.shape[1]
@@ -182,22 +182,19 @@ def _pingpong_kernel(
                      empty, first, step, start, blocks, num_m, per_group, tiles, num_ctas,
                      k_tiles)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
-    # Publish once per CTA, as owner_gemm.py's kernel: after the join every store of both
-    # consumers is ordered before this thread's system-scope fence, so a relaxed flag store
-    # after it is a release.
-    lanes = gl.arange(0, _FLAG_LANES, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    done = gl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r",
-                                     [lanes * 0 + epoch], dtype=gl.int32, is_pure=False, pack=1)
-    for chunk in range(gl.program_id(0), tiles, num_ctas * _FLAG_LANES):
-        publish_flags(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group,
-                      GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words,
-                      flag_blocks, flag_tiles)
+    # Publish once per CTA, as owner_gemm.py's kernel: the partitions' join is the barrier
+    # that orders every consumer's stores before warp 0's fence.
+    if RELEASE:
+        release_tiles(gl.arange(0, _FLAG_LANES, layout=gl.BlockedLayout([1], [32], [4], [0])),
+                      tiles, epoch, start, blocks, num_m, per_group, GROUP_M, r0, r1, r2, r3, r4,
+                      r5, r6, r7, rank, set_index, set_words, flag_blocks, flag_tiles, num_ctas)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: int,
-           protocol: tuple, tiles: GemmTiles) -> None:
+           protocol: tuple, tiles: GemmTiles, release: bool) -> None:
     """Queue the kernel: `protocol` holds owner_gemm.py's kernel arguments from control_ptr on
-    (the same for both kernels); `tiles` a consumer's tile and the pipeline (PINGPONG)."""
+    (the same for both kernels); `tiles` a consumer's tile and the pipeline (PINGPONG);
+    release: owner_gemm's."""
     bm, bn, bk = tiles.block_rows, tiles.block_cols, tiles.block_k
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     a_desc = TensorDescriptor.from_tensor(x, [bm, bk],
@@ -206,4 +203,4 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gri
                                           gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
     _pingpong_kernel[(grid,)](a_desc, b_desc, bias if bias is not None else weight, *protocol,
                               HAS_BIAS=bias is not None, GROUP_M=tiles.group_rows,
-                              STAGES=tiles.stages, num_warps=tiles.warps)
+                              STAGES=tiles.stages, RELEASE=release, num_warps=tiles.warps)

@@ -1,7 +1,7 @@
 """What both communicating row-parallel GEMM kernels share (owner_gemm.py's and
 owner_gemm_pingpong.py's): the epoch rule, the tile order, the owners' inbox addresses and the
-flag stores, as Triton device functions (Gluon kernels call them too), and the launch arguments
-that change from call to call."""
+release of a CTA's tiles, as Triton device functions (Gluon kernels call them too), and the
+launch arguments that change from call to call."""
 
 from __future__ import annotations
 
@@ -43,15 +43,35 @@ def publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: 
                   r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
                   flag_tiles):
     """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
-    system-scope store, a release after the caller's fence (both kernels' tails)."""
+    system-scope store by warp 0's threads, a release after their fence (`release_tiles`)."""
     f_owner, f_m, f_pn = tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
     flags = region_base(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
     flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-        "@p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; "
+        "setp.ne.and.s32 p, $3, 0, p; @p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
         "=r,l,r,r", [flag, epoch, (mine < tiles).to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def release_tiles(lanes, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
+                  r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
+                  flag_tiles, num_ctas):
+    """Both kernels' tail, once per CTA after a barrier of all its threads: publish the flags
+    of the CTA's tiles (program_id, + num_ctas, ... below `tiles`), `lanes` (0 .. L - 1, in the
+    caller's layout) at once. Warp 0 alone fences and stores: after the barrier its
+    system-scope fence is cumulative over every thread's stores, so its relaxed flag stores are
+    releases. (A fence per tile cost 5-10 % of the GEMM; a fence in every warp of the CTA 0.5 us
+    more than one at 1K tokens; measured, docs/kernel.md.)"""
+    done = tl.inline_asm_elementwise(
+        "{ .reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 q, t, 32; "
+        "@q fence.acq_rel.sys; mov.b32 $0, $1; }",
+        "=r,r", [epoch + lanes * 0], dtype=tl.int32, is_pure=False, pack=1)
+    for chunk in range(tl.program_id(0), tiles, num_ctas * lanes.shape[0]):
+        publish_flags(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group,
+                      GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words,
+                      flag_blocks, flag_tiles)
 
 
 # The call's geometry changes from call to call: not specialized (no recompilation per token

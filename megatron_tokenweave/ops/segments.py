@@ -54,12 +54,13 @@ SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, 
 PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4,
                      efficiency=1.0, consumers=2)
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
-# (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES_SHORT_K for in-features up to
-# PINGPONG_MAX_K (short K loops, where the other kernels' epilogue is a large share of a tile),
-# at least PINGPONG_MIN_TILES for longer ones (8K tokens of Llama-70B).
+# (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES, or PINGPONG_MIN_TILES_SHORT_K for
+# in-features up to PINGPONG_MAX_K (short K loops, where the one-consumer kernels' epilogue is
+# a large share of a tile: there two tiles per CTA already overlap one's epilogue with the
+# other's MMAs).
 PINGPONG_MAX_K = 2048
-PINGPONG_MIN_TILES_SHORT_K = 3
-PINGPONG_MIN_TILES = 24
+PINGPONG_MIN_TILES_SHORT_K = 1.5
+PINGPONG_MIN_TILES = 3
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
