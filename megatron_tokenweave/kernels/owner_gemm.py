@@ -30,10 +30,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megatron_tokenweave.kernels.inbox import GemmInbox
 from megatron_tokenweave.kernels.owner_gemm_pingpong import launch as launch_pingpong
 from megatron_tokenweave.kernels.owner_protocol import (
-    EPOCH_WRAP,
     PER_CALL,
-    region_base,
+    call_epoch,
     release_tiles,
+    tile_destination,
     tile_of,
 )
 from megatron_tokenweave.ops.segments import Segments
@@ -63,8 +63,7 @@ def _owner_gemm_kernel(
     HALVES: tl.constexpr, FLAG_LANES: tl.constexpr, RELEASE: tl.constexpr,
 ):
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
-    last = tl.load(control_ptr + set_index)
-    epoch = tl.where(last >= EPOCH_WRAP, 1, last + 1)
+    epoch = call_epoch(control_ptr, set_index)
     blocks = tl.cdiv(seg_rows, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -74,16 +73,13 @@ def _owner_gemm_kernel(
     # block are computed and masked off.
     for tile in tl.range(tl.program_id(0), num_m * num_n, num_ctas, flatten=True):
         owner, m, pn = tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
-        valid = min(seg_rows, total - owner * seg_rows) - m * BM  # rows of this tile to store
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(k_tiles):
             a = a_desc.load([first + owner * step + m * BM, kt * BK])
             b = b_desc.load([pn * BN, kt * BK])
             acc = tl.dot(a, b.T, acc)
-        # Inbox slots are 256-byte aligned: said so, the stores become 16-byte vectors.
-        region = region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7)
-        dst = tl.multiple_of((region + slots_off).to(tl.pointer_type(out_dtype)), 16)
-        dst += (rank * slot_rows + row0 + m * BM).to(tl.int64) * N + pn * BN
+        dst, valid = tile_destination(owner, m, pn, seg_rows, total, r0, r1, r2, r3, r4, r5, r6,
+                                      r7, slots_off, rank, slot_rows, row0, N, out_dtype, BM, BN)
         if HALVES:  # two column halves: half the store addresses live at once
             left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             _store_tile(dst, left, bias_ptr, valid, pn * BN, N, HAS_BIAS, BM, BN // 2)

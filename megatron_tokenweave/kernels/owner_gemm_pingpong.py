@@ -38,10 +38,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from megatron_tokenweave.kernels.owner_protocol import (
-    EPOCH_WRAP,
     PER_CALL,
-    region_base,
+    call_epoch,
     release_tiles,
+    tile_destination,
     tile_of,
 )
 from megatron_tokenweave.ops.segments import GemmTiles
@@ -138,10 +138,8 @@ def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3,
             bias = gl.load(bias_ptr + pn * bn + acc_cols, mask=pn * bn + acc_cols < N)
             acc = acc + bias.to(gl.float32)[None, :]
         out = gl.convert_layout(acc.to(out_dtype), row_layout)
-        valid = gl.minimum(seg_rows, total - owner * seg_rows) - m * bm
-        region = region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7)
-        dst = gl.multiple_of((region + slots_off).to(gl.pointer_type(out_dtype)), 16)
-        dst += (rank * slot_rows + row0 + m * bm).to(gl.int64) * N + pn * bn
+        dst, valid = tile_destination(owner, m, pn, seg_rows, total, r0, r1, r2, r3, r4, r5, r6,
+                                      r7, slots_off, rank, slot_rows, row0, N, out_dtype, bm, bn)
         gl.store(dst + (rows.to(gl.int64) * N)[:, None] + cols[None, :], out,
                  mask=(rows < valid)[:, None] & (pn * bn + cols < N)[None, :])
 
@@ -156,8 +154,7 @@ def _pingpong_kernel(
     bm: gl.constexpr = a_desc.block_type.shape[0]
     bk: gl.constexpr = a_desc.block_type.shape[1]
     bn: gl.constexpr = b_desc.block_type.shape[0]
-    last = gl.load(control_ptr + set_index)
-    epoch = gl.where(last >= EPOCH_WRAP, 1, last + 1)
+    epoch = call_epoch(control_ptr, set_index)
     blocks = gl.cdiv(seg_rows, bm)
     k_tiles = gl.cdiv(K, bk)
     per_group = GROUP_M * gl.cdiv(N, bn)

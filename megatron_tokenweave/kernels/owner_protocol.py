@@ -1,7 +1,7 @@
 """What both communicating row-parallel GEMM kernels share (owner_gemm.py's and
-owner_gemm_pingpong.py's): the epoch rule, the tile order, the owners' inbox addresses and the
-release of a CTA's tiles, as Triton device functions (Gluon kernels call them too), and the
-launch arguments that change from call to call."""
+owner_gemm_pingpong.py's): the call's epoch, the tile order, where a tile goes in its owner's
+inbox and the release of a CTA's tiles, as Triton device functions (Gluon kernels call them
+too), and the launch arguments that change from call to call."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ import triton.language as tl
 
 # gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 2^31 - 1
 EPOCH_WRAP = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def call_epoch(control_ptr, set_index):
+    """This call's epoch: the set's last one (the consumer writes it back) + 1, wrapping."""
+    last = tl.load(control_ptr + set_index)
+    return tl.where(last >= EPOCH_WRAP, 1, last + 1)
 
 
 @triton.jit
@@ -36,6 +43,19 @@ def region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7):
     base = tl.where(owner == 5, r5, base)
     base = tl.where(owner == 6, r6, base)
     return tl.where(owner == 7, r7, base)
+
+
+@triton.jit
+def tile_destination(owner, m, pn, seg_rows, total, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
+                     rank, slot_rows, row0, N, dtype: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr):
+    """Where tile (owner, row block m, column tile pn) goes: its first element in the owner's
+    slot `rank` (16-byte aligned: inbox slots are 256-byte aligned, so the stores become
+    16-byte vectors), and how many of its rows hold the segment's rows."""
+    region = region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7)
+    dst = tl.multiple_of((region + slots_off).to(tl.pointer_type(dtype)), 16)
+    dst += (rank * slot_rows + row0 + m * BM).to(tl.int64) * N + pn * BN
+    return dst, tl.minimum(seg_rows, total - owner * seg_rows) - m * BM
 
 
 @triton.jit
