@@ -16,8 +16,8 @@ Why Gluon (Triton's explicit-layout dialect): the epilogue must overlap the next
 which on Hopper takes warp specialization; Triton 3.6's automatic one does not apply to sm_90,
 and Gluon gives it with the same Triton launcher, descriptors and device functions
 (owner_protocol.py) as the one-consumer kernel. Measured on one H200 (docs/kernel.md,
-"Ping-pong"): 1.00-1.05x of cuBLAS at 4K-8K tokens of the short-K shards, where owner_gemm.py's
-kernel gave 0.90-0.95x; a system-scope fence in each consumer thread doubled the kernel's time
+"Ping-pong"): 1.02-1.10x of cuBLAS at 4K-8K tokens of the short-K shards, where owner_gemm.py's
+kernel gave 0.92-0.99x; a system-scope fence in each consumer thread doubled the kernel's time
 at 1K tokens, so only warp 0 fences, after both are done (the partitions' join orders every
 consumer's stores).
 

@@ -59,9 +59,9 @@ def tile_destination(owner, m, pn, seg_rows, total, r0, r1, r2, r3, r4, r5, r6, 
 
 
 @triton.jit
-def publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
-                  r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
-                  flag_tiles):
+def _publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
+                   r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
+                   flag_tiles):
     """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
     system-scope store by warp 0's threads, a release after their fence (`release_tiles`)."""
     f_owner, f_m, f_pn = tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
@@ -89,9 +89,9 @@ def release_tiles(lanes, tiles, epoch, start, blocks, num_m, per_group, GROUP_M:
         "@q fence.acq_rel.sys; mov.b32 $0, $1; }",
         "=r,r", [epoch + lanes * 0], dtype=tl.int32, is_pure=False, pack=1)
     for chunk in range(tl.program_id(0), tiles, num_ctas * lanes.shape[0]):
-        publish_flags(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group,
-                      GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words,
-                      flag_blocks, flag_tiles)
+        _publish_flags(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group,
+                       GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words,
+                       flag_blocks, flag_tiles)
 
 
 # The call's geometry changes from call to call: not specialized (no recompilation per token
