@@ -42,6 +42,8 @@
 #          against cuBLAS / TE (bench gemm_fused; TE rows where `stage.sh te` was carried)
 #   gemm2  the GEMM-fused mechanism on 2 GPUs: its protocol test across NVLink, then the row GEMM +
 #          all-reduce + norm per mechanism (bench gemm_pair), both layouts, 512-8K tokens
+#   gemm2_tiles  the same pair with each tile shape forced, replicated, 1K / 4K tokens: how
+#          much of the reduce-scatter a CTA's last tiles leave exposed
 #   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
 #          32 and 256 generated tokens per prompt (flash-attn-4 staged)
 set -u
@@ -70,6 +72,11 @@ case "$phase" in
     TAIL=6 step gemm_two_gpus 300 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py -k two_gpus
     TAIL=24 step gemm_pair 420 python -m megatron_tokenweave.bench gemm_pair \
       --out "$out/gemm_pair_tp2.json"
+    ;;
+  gemm2_tiles)
+    TAIL=24 step gemm_pair_tiles 420 python -m megatron_tokenweave.bench gemm_pair \
+      --layouts replicated --tokens 1024 4096 --tiles auto large pingpong small \
+      --out "$out/gemm_pair_tiles_tp2.json"
     ;;
   tune)
     TAIL=14 step tune70b 520 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 460

@@ -29,6 +29,7 @@ from megatron_tokenweave.ops.segments import (
     PINGPONG_MIN_TILES,
     PINGPONG_MIN_TILES_SHORT_K,
     SMALL,
+    TILES,
     WIDE,
     estimated_time,
     half_segments,
@@ -157,6 +158,19 @@ def test_tiles_of_the_measured_shapes():
     assert tiles_for(rep, 2, 1024, 8192, 14336, 132) is PINGPONG
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forced_tiles_replace_the_pick(layout):
+    """A benchmark's forced tiles reach the segments, and the replicated segment rows follow
+    their block rows (whole blocks per owner)."""
+    halves = (Half(0, 300), Half(300, 301))
+    for tiles in TILES.values():
+        for i in range(2):
+            seg = half_segments(layout, 4, halves, i, hidden=4096, k=1024, ctas=132, tiles=tiles)
+            assert seg.tiles is tiles
+            if layout is Layout.REPLICATED:
+                assert seg.rows % tiles.block_rows == 0 and seg.rows * 4 >= halves[i].rows
+
+
 # --------------------------------------------------------------------------- emulation
 def _emulation_worker(rank: int, world: int) -> list[tuple]:
     """Per case: (layout, rows, split, bias, max |got - want| of residual_out and normed)."""
@@ -222,14 +236,16 @@ def _pair_worker(rank: int, world: int) -> list[tuple]:
     comm = Communicator(dist.group.WORLD, 8 * 33, 32, torch.float32, torch.device("cpu"),
                         "reference")
     comm.prepare_gemm()
-    return [(layout.value, tokens, Pair(comm, layout, tokens, 24, seed=tokens).check())
+    return [(layout.value, tokens, Pair(comm, layout, tokens, 24, seed=tokens,
+                                        tiles=("auto", *TILES)).check())
             for layout in LAYOUTS for tokens in (2 * world, 6 * world + world * 33 // 2)]
 
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_pair_benchmark_plans_agree(world):
-    """Every plan of `bench gemm_pair` (cuBLAS + fused op, the GEMM-fused mechanism, each whole
-    and split) computes what cuBLAS + collectives + norm computes."""
+    """Every plan of `bench gemm_pair` (cuBLAS + fused op, the GEMM-fused mechanism with the
+    policy's tiles and with each tile shape forced, each whole and split) computes what
+    cuBLAS + collectives + norm computes."""
     for rank_results in run_ranks(_pair_worker, world=world):
         assert [bad for *_, bad in rank_results] == [[]] * 4, rank_results
 

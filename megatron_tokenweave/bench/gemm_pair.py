@@ -8,9 +8,13 @@ norm: the stock mechanism), `cublas_fused` (torch.matmul into the communicator's
 TokenWeave's fused op) and `gemm_fused` (the communicating GEMM, whose epilogue stores every tile
 into its owner's inbox, then the owner's reduction: comm="gemm"). The last two also `_split`:
 the tokens in two halves, half A's op on a side stream beside half B's GEMM, as the woven layer
-runs them. Each plan is one CUDA graph; replays interleaved on every rank in the same order
-(bench/timing.py), bf16, medians. Before timing, each plan's residual and normed outputs are
-checked against cublas_nccl's. Rows: model, gemm, tp, tokens, layout, impl, us (rank 0's).
+runs them. `--tiles` adds `gemm_fused_<tiles>` (and its `_split`) with the GEMM's tiles forced
+(ops/segments.TILES; `auto` is the policy's pick): over NVLink, a CTA's last tile's stores are
+not overlapped by any compute of its own, so fewer, larger tiles per CTA leave more of the
+reduce-scatter exposed at the GEMM's end (docs/kernel.md, "At 1K tokens"). Each plan is one
+CUDA graph; replays interleaved on every rank in the same order (bench/timing.py), bf16,
+medians. Before timing, each plan's residual and normed outputs are checked against
+cublas_nccl's. Rows: model, gemm, tp, tokens, layout, impl, us (rank 0's).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from megatron_tokenweave.bench import add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.linears import gemm_into
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import half_segments
+from megatron_tokenweave.ops.segments import TILES, GemmTiles, half_segments
 from megatron_tokenweave.ops.validate import Layout
 from megatron_tokenweave.schedule import Half, SideStream
 
@@ -37,10 +41,12 @@ CTAS_ALONE, CTAS_BESIDE = 64, 16
 class Pair:
     """One shape's inputs and outputs on this rank, and its plans (callables of no argument)."""
 
-    def __init__(self, comm, layout: Layout, tokens: int, k: int, seed: int) -> None:
+    def __init__(self, comm, layout: Layout, tokens: int, k: int, seed: int,
+                 tiles: tuple[str, ...] = ("auto",)) -> None:
         world, rank = dist.get_world_size(comm.group), dist.get_rank(comm.group)
         hidden, dtype, dev = comm.hidden, comm.dtype, comm.device
         self.comm, self.layout, self.world, self.rank = comm, layout, world, rank
+        self.tiles = tiles
         sp = layout is Layout.SEQUENCE_PARALLEL
         self.chunks = world if sp else 1
         self.n = tokens // world if sp else tokens
@@ -64,13 +70,17 @@ class Pair:
         return self.comm.normed[:self.chunks * self.n].view(self.chunks, self.n, -1)
 
     def plans(self) -> dict[str, Callable[[], None]]:
-        return {
+        plans = {
             "cublas_nccl": self._cublas_nccl,
             "cublas_fused": lambda: self._run(split=False, gemm=False),
             "cublas_fused_split": lambda: self._run(split=True, gemm=False),
-            "gemm_fused": lambda: self._run(split=False, gemm=True),
-            "gemm_fused_split": lambda: self._run(split=True, gemm=True),
         }
+        for name in self.tiles:
+            impl, tiles = ("gemm_fused", None) if name == "auto" else (f"gemm_fused_{name}",
+                                                                       TILES[name])
+            plans[impl] = lambda t=tiles: self._run(split=False, gemm=True, tiles=t)
+            plans[f"{impl}_split"] = lambda t=tiles: self._run(split=True, gemm=True, tiles=t)
+        return plans
 
     def _cublas_nccl(self) -> None:
         torch.matmul(self.x, self.w.t(), out=self.partial_out)
@@ -79,9 +89,10 @@ class Pair:
                                     self.normed(), self.layout, comm="collectives",
                                     validate=False)
 
-    def _run(self, split: bool, gemm: bool) -> None:
-        """The woven layer's sequence for one row-parallel linear: per half its GEMM, then its
-        op (on the side stream when split, beside the next half's GEMM)."""
+    def _run(self, split: bool, gemm: bool, tiles: GemmTiles | None = None) -> None:
+        """The woven layer's sequence for one row-parallel linear: per half its GEMM (`tiles`:
+        forced, else the policy's), then its op (on the side stream when split, beside the next
+        half's GEMM)."""
         n = self.n
         halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
             Half(0, n),)
@@ -95,7 +106,7 @@ class Pair:
                 ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
                 seg = half_segments(self.layout, self.world, halves, i, hidden=self.w.shape[0],
                                     k=self.w.shape[1], ctas=ctas, first=h.offset,
-                                    chunk_stride=n)
+                                    chunk_stride=n, tiles=tiles)
                 self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False, ctas=ctas)
             else:
                 gemm_into(h.of(x3), self.w, part)
@@ -146,7 +157,8 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             k, _ = layer_gemms(shape, world)[key]
             for layout in args.layouts:
                 for tokens in args.tokens:
-                    pair = Pair(comm, Layout(layout), tokens, k, seed=tokens)
+                    pair = Pair(comm, Layout(layout), tokens, k, seed=tokens,
+                                tiles=tuple(args.tiles))
                     bad = pair.check()
                     if bad:
                         raise RuntimeError(f"{model} {name} {layout} {tokens}: {bad} differ "
@@ -199,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one GPU each)")
     parser.add_argument("--layouts", nargs="+", default=["replicated", "sequence_parallel"],
                         choices=[x.value for x in Layout], help="layouts of the op")
+    parser.add_argument("--tiles", nargs="+", default=["auto"], choices=["auto", *TILES],
+                        help="the communicating GEMM's tiles: the policy's pick (auto) and/or "
+                             "forced tile shapes, each its own gemm_fused_<tiles> rows")
     add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=20, timed="plan",
                         out="docs/results/gemm_pair_tp2.json",
                         tokens_help="tokens of one forward (all ranks' shards together)")

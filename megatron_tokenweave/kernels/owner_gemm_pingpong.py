@@ -25,6 +25,8 @@ No `from __future__ import annotations` here: Gluon's aggregates check field ann
 types.
 """
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -187,17 +189,22 @@ def _pingpong_kernel(
                       r5, r6, r7, rank, set_index, set_words, flag_blocks, flag_tiles, num_ctas)
 
 
+@functools.cache
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """An operand tile's shared-memory layout, built once per shape and dtype rather than on
+    every call (host time of eager forwards, docs/kernel.md)."""
+    return gl.NVMMASharedLayout.get_default_for(
+        [rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: int,
            protocol: tuple, tiles: GemmTiles, release: bool) -> None:
     """Queue the kernel: `protocol` holds owner_gemm.py's kernel arguments from control_ptr on
     (the same for both kernels); `tiles` a consumer's tile and the pipeline (PINGPONG);
     release: owner_gemm's."""
     bm, bn, bk = tiles.block_rows, tiles.block_cols, tiles.block_k
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    a_desc = TensorDescriptor.from_tensor(x, [bm, bk],
-                                          gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
-    b_desc = TensorDescriptor.from_tensor(weight, [bn, bk],
-                                          gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
+    a_desc = TensorDescriptor.from_tensor(x, [bm, bk], _smem_layout(bm, bk, x.dtype))
+    b_desc = TensorDescriptor.from_tensor(weight, [bn, bk], _smem_layout(bn, bk, x.dtype))
     _pingpong_kernel[(grid,)](a_desc, b_desc, bias if bias is not None else weight, *protocol,
                               HAS_BIAS=bias is not None, GROUP_M=tiles.group_rows,
                               STAGES=tiles.stages, RELEASE=release, num_warps=tiles.warps)

@@ -53,6 +53,7 @@ WIDE = GemmTiles(block_rows=64, block_cols=256, block_k=64, stages=4, warps=4, e
 SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, efficiency=0.6)
 PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4,
                      efficiency=1.0, consumers=2)
+TILES = {"large": LARGE, "wide": WIDE, "small": SMALL, "pingpong": PINGPONG}  # by name
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
 # (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES, or PINGPONG_MIN_TILES_SHORT_K for
 # in-features up to PINGPONG_MAX_K (short K loops, where the one-consumer kernels' epilogue is
@@ -127,7 +128,7 @@ def _round_up(n: int, m: int) -> int:
 
 def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas: int,
              first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
-             first_set_rows: int = 0) -> Segments:
+             first_set_rows: int = 0, tiles: GemmTiles | None = None) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
     rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
     CTAs (which pick the tiles: `tiles_for`).
@@ -138,8 +139,9 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
         offset); its rows keep that row index in the inbox, so the halves never overlap.
     set_index / first_set_rows: replicated: the woven schedule's half B (set 1) is stored after
         the rows half A's segments (first_set_rows: half A's row count) may take.
+    tiles: these tiles instead of `tiles_for`'s pick (a benchmark comparing tile shapes).
     """
-    tiles = tiles_for(layout, world, rows, hidden, k, ctas)
+    tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas)
     if layout is Layout.SEQUENCE_PARALLEL:
         return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
                         row0=chunk_row0, tiles=tiles)
@@ -149,13 +151,14 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
 
 
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
-                  ctas: int, first: int = 0, chunk_stride: int = 0) -> Segments:
+                  ctas: int, first: int = 0, chunk_stride: int = 0,
+                  tiles: GemmTiles | None = None) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
-    `chunk_stride` rows apart (`segments` says how)."""
+    `chunk_stride` rows apart (`segments` says how, and what `tiles` forces)."""
     return segments(layout, world, halves[i].rows, hidden=hidden, k=k, ctas=ctas, first=first,
                     chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
-                    first_set_rows=halves[0].rows)
+                    first_set_rows=halves[0].rows, tiles=tiles)
 
 
 def slot_rows(max_tokens: int, world: int) -> int:
