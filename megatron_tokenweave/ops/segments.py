@@ -30,17 +30,19 @@ SETS = 2  # inbox sets: the woven schedule's halves (half B's GEMM beside half A
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """The GEMM's tile shape and pipeline, and its throughput relative to LARGE's where both
-    fill whole waves of CTAs (H200, docs/kernel.md). consumers = 2 is the warp-specialized
-    ping-pong kernel (kernels/owner_gemm_pingpong.py): two warpgroups each computing a whole
-    tile, one's epilogue beside the other's MMAs; warps is then per consumer."""
+    """The GEMM's tile shape and pipeline, and (one-consumer tiles, which `estimated_time`
+    compares) its throughput relative to LARGE's where both fill whole waves of CTAs (H200,
+    docs/kernel.md). consumers = 2 is the warp-specialized ping-pong kernel
+    (kernels/owner_gemm_pingpong.py): two warpgroups each computing a whole tile, one's epilogue
+    beside the other's MMAs; warps is then per consumer. `tiles_for` picks it by a measured
+    rule, not by efficiency."""
 
     block_rows: int
     block_cols: int
     block_k: int
     stages: int
     warps: int
-    efficiency: float
+    efficiency: float = 1.0
     group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
     consumers: int = 1
 
@@ -51,8 +53,7 @@ class GemmTiles:
 LARGE = GemmTiles(block_rows=128, block_cols=256, block_k=64, stages=4, warps=8, efficiency=1.0)
 WIDE = GemmTiles(block_rows=64, block_cols=256, block_k=64, stages=4, warps=4, efficiency=0.9)
 SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, efficiency=0.6)
-PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4,
-                     efficiency=1.0, consumers=2)
+PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4, consumers=2)
 TILES = {"large": LARGE, "wide": WIDE, "small": SMALL, "pingpong": PINGPONG}  # by name
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
 # (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES, or PINGPONG_MIN_TILES_SHORT_K for
