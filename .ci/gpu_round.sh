@@ -43,7 +43,8 @@
 #   gemm2  the GEMM-fused mechanism on 2 GPUs: its protocol test across NVLink, then the row GEMM +
 #          all-reduce + norm per mechanism (bench gemm_pair), both layouts, 512-8K tokens
 #   gemm2_tiles  the same pair with each tile shape forced, replicated, 1K / 4K tokens: how
-#          much of the reduce-scatter a CTA's last tiles leave exposed
+#          much of the reduce-scatter a CTA's last tiles leave exposed; then with each release
+#          forced (the GEMM's CTAs or the consumer publish the tiles), 1K / 2K / 4K
 #   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
 #          32 and 256 generated tokens per prompt (flash-attn-4 staged)
 set -u
@@ -77,6 +78,9 @@ case "$phase" in
     TAIL=24 step gemm_pair_tiles 420 python -m megatron_tokenweave.bench gemm_pair \
       --layouts replicated --tokens 1024 4096 --tiles auto large pingpong small \
       --out "$out/gemm_pair_tiles_tp2.json"
+    TAIL=24 step gemm_pair_release 420 python -m megatron_tokenweave.bench gemm_pair \
+      --layouts replicated --tokens 1024 2048 4096 --release gemm consumer \
+      --out "$out/gemm_pair_release_tp2.json"
     ;;
   tune)
     TAIL=14 step tune70b 520 python -m megatron_tokenweave.tune --model llama-3.3-70b --budget-s 460

@@ -60,9 +60,10 @@ struct Communicator {
   // GEMM-fused path (comm_attach_inbox): this rank's inbox (megatron_tokenweave/kernels/inbox.py
   // lays it out): slots of `slot_rows` rows of `row_bytes` at `inbox_data`, flags of set s at
   // `inbox_flags + s * flag_set_words` ([world][blocks][tiles] words), then epoch[2] and
-  // done[2] words at `inbox_control`.
+  // done[2] words at `inbox_control`; `inbox_regions` every rank's inbox (its flags first).
   int64_t inbox_data = 0, slot_rows = 0, row_bytes = 0, inbox_flags = 0, flag_set_words = 0;
   int64_t inbox_control = 0, flag_blocks = 0, flag_tiles = 0;
+  std::vector<int64_t> inbox_regions;
 };
 
 // Bits of comm_create's `flags`.
@@ -348,11 +349,12 @@ void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaSt
 }
 
 // The GEMM-fused path's consumer (gemm_reduce.cuh) for the rows of inbox set `set` starting at
-// inbox row `row0`, segments of `seg_rows` rows, the GEMM's `block_rows` x `col_tiles` flags.
+// inbox row `row0`, segments of `seg_rows` rows, the GEMM's `block_rows` x `col_tiles` flags;
+// `publish`: the consumer releases the GEMM's tiles (one flag per source and owner).
 template <typename T>
 void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t ctas, int64_t set,
                         int64_t row0, int64_t seg_rows, int64_t block_rows, int64_t col_tiles,
-                        cudaStream_t stream) {
+                        bool publish, cudaStream_t stream) {
   TORCH_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
               "inbox (comm_attach_inbox)");
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -390,6 +392,13 @@ void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t cta
   auto* control = reinterpret_cast<uint32_t*>(c.inbox_control);
   g.epoch = control + set;
   g.done = control + 2 + set;
+  if (publish) {
+    g.block_rows = g.seg_rows;  // one block of one tile: flag[set][src][0][0]
+    g.col_tiles = 1;
+    for (int64_t q = 0; q < c.world; ++q)
+      g.publish[q] = reinterpret_cast<uint32_t*>(c.inbox_regions[q]) + set * c.flag_set_words +
+                     c.rank * g.src_stride;
+  }
   const LaunchShape s = launch_shape(p.hidden);
   with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
     gemm_reduce_rmsnorm_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
@@ -534,8 +543,14 @@ void comm_attach_mirror(int64_t handle, const at::Tensor& sources, const at::Ten
 // The GEMM-fused path's inbox (a second peer-mapped buffer, laid out by Python: see the
 // Communicator's fields). The GEMMs of every rank store into it; the consumer reads it.
 void comm_attach_inbox(int64_t handle, int64_t data, int64_t slot_rows, int64_t row_bytes,
-                       int64_t flags, int64_t flag_blocks, int64_t flag_tiles, int64_t control) {
+                       int64_t flags, int64_t flag_blocks, int64_t flag_tiles, int64_t control,
+                       at::IntArrayRef regions) {
   Communicator& c = comm_of(handle);
+  TORCH_CHECK(static_cast<int64_t>(regions.size()) == c.world && regions[c.rank] == flags,
+              "tokenweave: the inbox needs every rank's region (", c.world, "), its own at its "
+              "flags");
+  for (const int64_t r : regions)
+    TORCH_CHECK(r != 0 && r % 4 == 0, "tokenweave: inbox regions must be non-null and aligned");
   TORCH_CHECK(data != 0 && flags != 0 && control != 0 && data % kVecBytes == 0 &&
                   flags % 4 == 0 && control % 4 == 0,
               "tokenweave: inbox addresses must be non-null and aligned");
@@ -550,6 +565,7 @@ void comm_attach_inbox(int64_t handle, int64_t data, int64_t slot_rows, int64_t 
   c.flag_tiles = flag_tiles;
   c.flag_set_words = c.world * flag_blocks * flag_tiles;
   c.inbox_control = control;
+  c.inbox_regions.assign(regions.begin(), regions.end());
 }
 
 void comm_destroy(int64_t handle) {
@@ -600,17 +616,18 @@ void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tens
 // The GEMM-fused path's consumer: y = sum of the P slots of this rank's inbox rows + residual
 // -> residual_out; RMSNorm(y) * weight -> normed_out (sequence parallel: stored to every rank;
 // replicated: y to every rank's `partial` rows, then each rank normalizes all rows locally).
+// publish: the consumer releases the GEMM's tiles (ops/segments.py RELEASES).
 void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                          const std::optional<at::Tensor>& weight, double eps,
                          at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
                          int64_t ctas, int64_t set, int64_t row0, int64_t seg_rows,
-                         int64_t block_rows, int64_t col_tiles) {
+                         int64_t block_rows, int64_t col_tiles, bool publish) {
   const Communicator& c = comm_of(handle);
   const FusedParams p =
       make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas);
   on_stream(partial, p, [&](auto t, cudaStream_t stream) {
     launch_gemm_reduce<decltype(t)>(c, p, ctas, set, row0, seg_rows, block_rows, col_tiles,
-                                    stream);
+                                    publish, stream);
   });
 }
 
@@ -625,7 +642,7 @@ TORCH_LIBRARY(tokenweave, m) {
       "int[] mirrors, int mirror_bytes) -> ()");
   m.def(
       "comm_attach_inbox(int comm, int data, int slot_rows, int row_bytes, int flags, "
-      "int flag_blocks, int flag_tiles, int control) -> ()",
+      "int flag_blocks, int flag_tiles, int control, int[] regions) -> ()",
       &tokenweave::comm_attach_inbox);
   m.def("comm_destroy(int comm) -> ()", &tokenweave::comm_destroy);
   m.def("comm_copy_errors(int comm, Tensor(a!) host) -> ()", &tokenweave::comm_copy_errors);
@@ -636,7 +653,7 @@ TORCH_LIBRARY(tokenweave, m) {
   m.def(
       "gemm_reduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
       "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int set, "
-      "int row0, int seg_rows, int block_rows, int col_tiles) -> ()");
+      "int row0, int seg_rows, int block_rows, int col_tiles, bool publish) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {

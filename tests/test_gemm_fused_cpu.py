@@ -28,11 +28,13 @@ from megatron_tokenweave.ops.segments import (
     PINGPONG_MAX_K,
     PINGPONG_MIN_TILES,
     PINGPONG_MIN_TILES_SHORT_K,
+    RELEASES,
     SMALL,
     TILES,
     WIDE,
     estimated_time,
     half_segments,
+    release_for,
     row_blocks,
     segments,
     slot_rows,
@@ -171,6 +173,49 @@ def test_forced_tiles_replace_the_pick(layout):
                 assert seg.rows % tiles.block_rows == 0 and seg.rows * 4 >= halves[i].rows
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_release_is_the_consumers_up_to_two_large_tiles_per_cta(layout, world):
+    """The consumer publishes the tiles where the GEMM's CTAs have at most two LARGE tiles'
+    worth of work (the tiles the segments really hold, whatever their shape), else the GEMM."""
+    seen = set()
+    for rows, (hidden, k, ctas) in itertools.product(ROWS, OUTPUTS):
+        seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas)
+        t = seg.tiles
+        work = (seg.nonempty_blocks(world) * t.col_tiles(hidden) * t.block_rows * t.block_cols
+                / (LARGE.block_rows * LARGE.block_cols * ctas))
+        assert seg.release == ("consumer" if work <= 2 else "gemm"), (rows, hidden, ctas, work)
+        seen.add(seg.release)
+    assert seen == set(RELEASES)
+
+
+def test_release_of_the_measured_shapes():
+    """1K tokens of the Llama-3-8B shards (one or two tiles per CTA, where the GEMM's release
+    measured 2-9 %) and of the 70B ones: the consumer; 4K of the 70B ones: the GEMM."""
+    rep = Layout.REPLICATED
+    for world, k in ((2, 2048), (2, 7168), (8, 512), (8, 1792)):
+        assert segments(rep, world, 1024, hidden=4096, k=k, ctas=132).release == "consumer"
+    for world, k in ((2, 4096), (8, 1024)):
+        assert segments(rep, world, 1024, hidden=8192, k=k, ctas=132).release == "consumer"
+        assert segments(rep, world, 4096, hidden=8192, k=k, ctas=132).release == "gemm"
+    assert release_for(LARGE, 264, 132) == "consumer"
+    assert release_for(LARGE, 265, 132) == "gemm"
+    assert release_for(PINGPONG, 528, 132) == "consumer"  # 128 x 128: half a LARGE tile
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forced_release_replaces_the_pick(layout):
+    """A forced release reaches the segments; anything but RELEASES is refused."""
+    halves = (Half(0, 3000), Half(3000, 3001))
+    for release in RELEASES:
+        for i in range(2):
+            seg = half_segments(layout, 2, halves, i, hidden=4096, k=1024, ctas=132,
+                                release=release)
+            assert seg.release == release
+    with pytest.raises(TokenWeaveInputError, match="release must be one of"):
+        segments(layout, 2, 100, hidden=4096, k=1024, ctas=132, release="cta")
+
+
 # --------------------------------------------------------------------------- emulation
 def _emulation_worker(rank: int, world: int) -> list[tuple]:
     """Per case: (layout, rows, split, bias, max |got - want| of residual_out and normed)."""
@@ -237,15 +282,16 @@ def _pair_worker(rank: int, world: int) -> list[tuple]:
                         "reference")
     comm.prepare_gemm()
     return [(layout.value, tokens, Pair(comm, layout, tokens, 24, seed=tokens,
-                                        tiles=("auto", *TILES)).check())
+                                        tiles=("auto", *TILES),
+                                        release=("auto", *RELEASES)).check())
             for layout in LAYOUTS for tokens in (2 * world, 6 * world + world * 33 // 2)]
 
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_pair_benchmark_plans_agree(world):
     """Every plan of `bench gemm_pair` (cuBLAS + fused op, the GEMM-fused mechanism with the
-    policy's tiles and with each tile shape forced, each whole and split) computes what
-    cuBLAS + collectives + norm computes."""
+    policy's tiles and release and with each tile shape and release forced, each whole and
+    split) computes what cuBLAS + collectives + norm computes."""
     for rank_results in run_ranks(_pair_worker, world=world):
         assert [bad for *_, bad in rank_results] == [[]] * 4, rank_results
 

@@ -6,10 +6,12 @@ Per model (Llama-3.3-70B, Llama-3-8B shapes), row-parallel GEMM (o_proj, fc2), T
 rank's shard: K = in-features / TP) and token count: `cublas` (torch.matmul into a preallocated
 output), `te` (a TransformerEngine Linear of the same shard, where TE is installed),
 `tokenweave` (kernels/owner_gemm.py: its epilogue stores every tile another rank owns into that
-rank's inbox and publishes a flag; here the TP-1 peers' inboxes are separate local allocations,
-GemmInbox.loopback, so the stores and flags are all paid, only the NVLink is not) and
-`tokenweave_unreleased` (the same calls without the CTAs' fence and flag stores, which no
-consumer could use: what the release costs). Replicated layout (what Megatron's engines run),
+rank's inbox; here the TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback,
+so the stores and flags are all paid, only the NVLink is not; the policy picks who publishes
+the tiles, ops/segments.release_for) and `tokenweave_release_gemm` / `_consumer` (each
+release forced: the GEMM's CTAs fence and store flags after their last tile, or the GEMM only
+stores tiles and its consumer publishes them, which costs the consumer a flag store per rank,
+timed with the consumer on two GPUs). Replicated layout (what Megatron's engines run),
 all SMs (the unsplit case). Each impl is one CUDA graph of CALLS calls back to back on as many
 inputs (a graph of a single call also times its replay's launch, microseconds beside GEMMs of
 10-30 us); replays interleaved (bench/timing.py), bf16, medians per call. The tokenweave rows
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -29,7 +32,7 @@ from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import segments
+from megatron_tokenweave.ops.segments import RELEASES, segments
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
@@ -61,14 +64,16 @@ def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
         seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
+        forced = {r: replace(seg, release=r) for r in RELEASES}
         xs = [torch.randn(tokens, k, device=dev, dtype=dtype) for _ in range(CALLS)]
         w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
         out = torch.empty(tokens, n, device=dev, dtype=dtype)
         impls = {
             "cublas": lambda x, w=w, out=out: torch.matmul(x, w.t(), out=out),
             "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms),
-            "tokenweave_unreleased": lambda x, w=w, seg=seg: owner_gemm(
-                x, w, None, inbox, seg, 0, sms, release=False),
+            **{f"tokenweave_release_{r}": lambda x, w=w, s=s: owner_gemm(x, w, None, inbox, s, 0,
+                                                                          sms)
+               for r, s in forced.items()},
         }
         te = _te_linear(k, n, w)
         if te is not None:
@@ -155,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"{g} cublas/tokenweave {us[(g, 'cublas')] / us[(g, 'tokenweave')]:.3f}"
                     + (f" te/tokenweave {us[(g, 'te')] / us[(g, 'tokenweave')]:.3f}"
                        if (g, "te") in us else "")
-                    + f" (unreleased {us[(g, 'cublas')] / us[(g, 'tokenweave_unreleased')]:.3f})"
+                    + " (release " + " ".join(
+                        f"{r} {us[(g, 'cublas')] / us[(g, f'tokenweave_release_{r}')]:.3f}"
+                        for r in RELEASES) + ")"
                     for g in GEMMS), flush=True)
     write_result("gemm_fused", argv, rows, args.out, _plot)
 

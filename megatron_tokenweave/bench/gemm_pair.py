@@ -11,7 +11,10 @@ the tokens in two halves, half A's op on a side stream beside half B's GEMM, as 
 runs them. `--tiles` adds `gemm_fused_<tiles>` (and its `_split`) with the GEMM's tiles forced
 (ops/segments.TILES; `auto` is the policy's pick): over NVLink, a CTA's last tile's stores are
 not overlapped by any compute of its own, so fewer, larger tiles per CTA leave more of the
-reduce-scatter exposed at the GEMM's end (docs/kernel.md, "At 1K tokens"). Each plan is one
+reduce-scatter exposed at the GEMM's end (docs/kernel.md, "At 1K tokens"). `--release` adds
+`gemm_fused_release_<who>` (with forced tiles, `gemm_fused_<tiles>_release_<who>`): who
+publishes the tiles forced (ops/segments.RELEASES), the GEMM's CTAs after their last tile or the
+consumer after the GEMM ends, which differ in when the peers' flags arrive. Each plan is one
 CUDA graph; replays interleaved on every rank in the same order (bench/timing.py), bf16,
 medians. Before timing, each plan's residual and normed outputs are checked against
 cublas_nccl's. Rows: model, gemm, tp, tokens, layout, impl, us (rank 0's).
@@ -20,6 +23,7 @@ cublas_nccl's. Rows: model, gemm, tp, tokens, layout, impl, us (rank 0's).
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -29,7 +33,7 @@ from megatron_tokenweave.bench import add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.linears import gemm_into
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import TILES, GemmTiles, half_segments
+from megatron_tokenweave.ops.segments import RELEASES, TILES, GemmTiles, half_segments
 from megatron_tokenweave.ops.validate import Layout
 from megatron_tokenweave.schedule import Half, SideStream
 
@@ -42,11 +46,12 @@ class Pair:
     """One shape's inputs and outputs on this rank, and its plans (callables of no argument)."""
 
     def __init__(self, comm, layout: Layout, tokens: int, k: int, seed: int,
-                 tiles: tuple[str, ...] = ("auto",)) -> None:
+                 tiles: tuple[str, ...] = ("auto",), release: tuple[str, ...] = ("auto",)
+                 ) -> None:
         world, rank = dist.get_world_size(comm.group), dist.get_rank(comm.group)
         hidden, dtype, dev = comm.hidden, comm.dtype, comm.device
         self.comm, self.layout, self.world, self.rank = comm, layout, world, rank
-        self.tiles = tiles
+        self.tiles, self.release = tiles, release
         sp = layout is Layout.SEQUENCE_PARALLEL
         self.chunks = world if sp else 1
         self.n = tokens // world if sp else tokens
@@ -75,11 +80,12 @@ class Pair:
             "cublas_fused": lambda: self._run(split=False, gemm=False),
             "cublas_fused_split": lambda: self._run(split=True, gemm=False),
         }
-        for name in self.tiles:
-            impl, tiles = ("gemm_fused", None) if name == "auto" else (f"gemm_fused_{name}",
-                                                                       TILES[name])
-            plans[impl] = lambda t=tiles: self._run(split=False, gemm=True, tiles=t)
-            plans[f"{impl}_split"] = lambda t=tiles: self._run(split=True, gemm=True, tiles=t)
+        for name, who in itertools.product(self.tiles, self.release):
+            impl = "gemm_fused" + (f"_{name}" if name != "auto" else "") + (
+                f"_release_{who}" if who != "auto" else "")
+            forced = dict(tiles=TILES.get(name), release=None if who == "auto" else who)
+            plans[impl] = lambda f=forced: self._run(split=False, gemm=True, **f)
+            plans[f"{impl}_split"] = lambda f=forced: self._run(split=True, gemm=True, **f)
         return plans
 
     def _cublas_nccl(self) -> None:
@@ -89,10 +95,11 @@ class Pair:
                                     self.normed(), self.layout, comm="collectives",
                                     validate=False)
 
-    def _run(self, split: bool, gemm: bool, tiles: GemmTiles | None = None) -> None:
-        """The woven layer's sequence for one row-parallel linear: per half its GEMM (`tiles`:
-        forced, else the policy's), then its op (on the side stream when split, beside the next
-        half's GEMM)."""
+    def _run(self, split: bool, gemm: bool, tiles: GemmTiles | None = None,
+             release: str | None = None) -> None:
+        """The woven layer's sequence for one row-parallel linear: per half its GEMM (`tiles`,
+        `release`: forced, else the policy's), then its op (on the side stream when split,
+        beside the next half's GEMM)."""
         n = self.n
         halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
             Half(0, n),)
@@ -106,7 +113,7 @@ class Pair:
                 ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
                 seg = half_segments(self.layout, self.world, halves, i, hidden=self.w.shape[0],
                                     k=self.w.shape[1], ctas=ctas, first=h.offset,
-                                    chunk_stride=n, tiles=tiles)
+                                    chunk_stride=n, tiles=tiles, release=release)
                 self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False, ctas=ctas)
             else:
                 gemm_into(h.of(x3), self.w, part)
@@ -158,7 +165,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             for layout in args.layouts:
                 for tokens in args.tokens:
                     pair = Pair(comm, Layout(layout), tokens, k, seed=tokens,
-                                tiles=tuple(args.tiles))
+                                tiles=tuple(args.tiles), release=tuple(args.release))
                     bad = pair.check()
                     if bad:
                         raise RuntimeError(f"{model} {name} {layout} {tokens}: {bad} differ "
@@ -214,6 +221,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiles", nargs="+", default=["auto"], choices=["auto", *TILES],
                         help="the communicating GEMM's tiles: the policy's pick (auto) and/or "
                              "forced tile shapes, each its own gemm_fused_<tiles> rows")
+    parser.add_argument("--release", nargs="+", default=["auto"], choices=["auto", *RELEASES],
+                        help="who publishes the GEMM's tiles: the policy's pick (auto) and/or "
+                             "forced, each its own ..._release_<who> rows")
     add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=20, timed="plan",
                         out="docs/results/gemm_pair_tp2.json",
                         tokens_help="tokens of one forward (all ranks' shards together)")

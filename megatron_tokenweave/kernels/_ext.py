@@ -62,7 +62,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("tokenweave::gemm_reduce_rmsnorm")
     def _gemm_reduce_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas,
-                          set_index, row0, seg_rows, block_rows, col_tiles):
+                          set_index, row0, seg_rows, block_rows, col_tiles, publish):
         return None
 
 

@@ -185,13 +185,14 @@ class KernelComm:
         """The GEMM-fused mechanism's consumer (gemm_reduce.cuh) for the call whose GEMM stored
         `seg` into inbox set `set_index` (attach_inbox first): the fused op's contract for the
         outputs; `partial` is the call's [chunks, rows, hidden] region of the buffer (replicated:
-        every owner's y rows land there)."""
+        every owner's y rows land there). Where seg.release is "consumer", it first publishes
+        this rank's tiles of the GEMM before it on the stream."""
         if validate:
             check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
                               self.buffer, ctas)
         self._reduce_owned(self.handle, partial, residual, weight, float(eps), residual_out,
                            normed_out, ctas, set_index, seg.row0, seg.rows, seg.tiles.block_rows,
-                           seg.tiles.col_tiles(partial.shape[-1]))
+                           seg.tiles.col_tiles(partial.shape[-1]), seg.release == "consumer")
 
     def _check(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,

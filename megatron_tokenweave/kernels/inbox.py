@@ -91,11 +91,12 @@ class GemmInbox:
         return cls(world, 0, max_tokens, hidden, dtype, map_regions, regions.clear)
 
     def attach(self, handle: int) -> None:
-        """Hand the inbox to the C++ communicator (its consumer reads this rank's part)."""
+        """Hand the inbox to the C++ communicator (its consumer reads this rank's part and,
+        where it releases the GEMM's tiles, stores flags into every rank's)."""
         base = self.bases[self.rank]
         torch.ops.tokenweave.comm_attach_inbox(
             handle, base + self.slots_off, self.slot_rows, self.hidden * self.slots.element_size(),
-            base, self.flag_blocks, self.flag_tiles, base + self.control_off)
+            base, self.flag_blocks, self.flag_tiles, base + self.control_off, self.bases)
 
     def close(self) -> None:
         """Free the regions (a collective for `create`'s)."""

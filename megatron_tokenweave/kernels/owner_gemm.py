@@ -1,16 +1,17 @@
 """The communicating row-parallel GEMM: partial = x @ W^T (+ bias on one rank), whose epilogue
-stores every output tile straight into the inbox of the rank that owns its rows and publishes it
-with an epoch-tagged flag, so the reduce-scatter happens inside the GEMM, on no extra SMs.
+stores every output tile straight into the inbox of the rank that owns its rows and (where
+ops/segments.release_for says the GEMM releases) publishes it with an epoch-tagged flag, so the
+reduce-scatter happens inside the GEMM, on no extra SMs.
 
 Why Triton: a persistent Triton GEMM with TMA loads ran the row-parallel shapes of Llama-70B
 at 0.97-1.07x of cuBLAS on an H200 before any epilogue work, and its epilogue is ordinary code
 we own (16-byte stores to any rank's mapped address, a fence and flag stores), where cuBLAS's
 epilogue is closed and a CUTLASS collective would need a custom epilogue visitor per layout.
-docs/kernel.md has the measurements that shaped it: with the stores and flags it runs at
-0.98-1.02x of cuBLAS on the long shard GEMMs and 0.87-0.97x on the short ones, whose epilogue
-shows between main loops (the warp-specialized owner_gemm_pingpong.py takes those calls where
-it measured faster: ops/segments.tiles_for); a system-scope fence per tile cost 5-10 %, so each
-CTA publishes the flags of all its tiles once, after its last tile. Tile shapes and geometry:
+docs/kernel.md has the measurements that shaped it: the warp-specialized
+owner_gemm_pingpong.py takes the calls where it measured faster (ops/segments.tiles_for); a
+system-scope fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once,
+after its last tile, and where a CTA has one or two tiles even that (~1 us) is left to the
+consumer. Tile shapes and geometry:
 ops/segments.py; the consumer: csrc/include/tokenweave/gemm_reduce.cuh.
 
 Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row
@@ -97,18 +98,17 @@ def _owner_gemm_kernel(
 
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, *,
-               release: bool = True) -> None:
+               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
     ctas: persistent CTAs (the SMs left to the GEMM). The segments' tiles pick the kernel:
     this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster.
-    release=False leaves out the fence and the flags (no consumer can use such a call): the
-    one-GPU benchmark's measure of what the release costs."""
+    seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
+    the consumer after this kernel ("consumer": no fence, no flags here)."""
     num_m = seg.nonempty_blocks(inbox.world)
     if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
         return
-    t = seg.tiles
+    t, release = seg.tiles, seg.release == "gemm"
     grid = max(1, min(ctas, num_m * t.col_tiles(weight.shape[0])))
     start = (inbox.rank + 1) % inbox.world * seg.blocks()
     regions = inbox.bases + [inbox.bases[0]] * (MAX_RANKS - inbox.world)

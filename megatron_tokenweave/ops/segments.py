@@ -16,9 +16,9 @@ Pure Python: the CUDA launcher, the consumer's arguments and the CPU emulation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from megatron_tokenweave.ops.validate import Layout
+from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
 # One flag per (source, block of BLOCK_ROWS rows, column tile of BLOCK_COLS): the inbox sizes its
 # flag array for the smallest tiles the GEMM takes.
@@ -63,6 +63,17 @@ TILES = {"large": LARGE, "wide": WIDE, "small": SMALL, "pingpong": PINGPONG}  # 
 PINGPONG_MAX_K = 2048
 PINGPONG_MIN_TILES_SHORT_K = 1.5
 PINGPONG_MIN_TILES = 3
+# Who publishes a call's tiles (the consumer's flags say they landed):
+# - "gemm": each GEMM CTA after its last tile, one epoch flag per (row block, column tile), so
+#   an owner may reduce a row block before the last peer's GEMM ends;
+# - "consumer": the GEMM stores tiles only; every rank's consumer, which its stream starts after
+#   the GEMM ends, first publishes one flag per owner (csrc/include/tokenweave/gemm_reduce.cuh).
+# The GEMM's release (the wait for its last stores, a system-scope fence, the flag stores) is a
+# fixed ~1 us that no work overlaps; where a CTA has at most CONSUMER_RELEASE_MAX_WORK LARGE
+# tiles' worth of work it costs 2-9 % of the GEMM (docs/kernel.md, "At 1K tokens"), and per-block
+# readiness buys nothing there (a CTA's one or two tiles are released together, at its end).
+RELEASES = ("gemm", "consumer")
+CONSUMER_RELEASE_MAX_WORK = 2.0
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -95,6 +106,14 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
                key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
 
 
+def release_for(t: GemmTiles, tiles: int, ctas: int) -> str:
+    """Who publishes a call of `tiles` tiles of shape t on `ctas` persistent CTAs (RELEASES):
+    the consumer where each CTA has at most CONSUMER_RELEASE_MAX_WORK LARGE tiles' worth of
+    work, else the GEMM."""
+    area = t.block_rows * t.block_cols / (LARGE.block_rows * LARGE.block_cols)
+    return "consumer" if tiles * area / max(1, ctas) <= CONSUMER_RELEASE_MAX_WORK else "gemm"
+
+
 @dataclass(frozen=True)
 class Segments:
     """One call's segments. Segment c holds input rows first + c * step + j for
@@ -107,6 +126,7 @@ class Segments:
     total: int
     row0: int
     tiles: GemmTiles
+    release: str = "gemm"  # who publishes the tiles: RELEASES
 
     def length(self, c: int) -> int:
         """Rows of segment c (the last ones of a replicated call may be short or empty)."""
@@ -129,7 +149,8 @@ def _round_up(n: int, m: int) -> int:
 
 def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas: int,
              first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
-             first_set_rows: int = 0, tiles: GemmTiles | None = None) -> Segments:
+             first_set_rows: int = 0, tiles: GemmTiles | None = None,
+             release: str | None = None) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
     rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
     CTAs (which pick the tiles: `tiles_for`).
@@ -140,26 +161,33 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
         offset); its rows keep that row index in the inbox, so the halves never overlap.
     set_index / first_set_rows: replicated: the woven schedule's half B (set 1) is stored after
         the rows half A's segments (first_set_rows: half A's row count) may take.
-    tiles: these tiles instead of `tiles_for`'s pick (a benchmark comparing tile shapes).
+    tiles / release: these tiles / this publisher (RELEASES) instead of `tiles_for`'s /
+        `release_for`'s pick (benchmarks comparing them, tests reaching both).
     """
+    if release is not None and release not in RELEASES:
+        raise TokenWeaveInputError(f"release must be one of {RELEASES}, got {release!r}")
     tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas)
     if layout is Layout.SEQUENCE_PARALLEL:
-        return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
-                        row0=chunk_row0, tiles=tiles)
-    seg = _round_up(max(1, -(-rows // world)), tiles.block_rows)
-    row0 = _round_up(max(1, -(-first_set_rows // world)), MAX_BLOCK_ROWS) if set_index else 0
-    return Segments(first=first, step=seg, rows=seg, total=rows, row0=row0, tiles=tiles)
+        seg = Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
+                       row0=chunk_row0, tiles=tiles)
+    else:
+        size = _round_up(max(1, -(-rows // world)), tiles.block_rows)
+        row0 = _round_up(max(1, -(-first_set_rows // world)), MAX_BLOCK_ROWS) if set_index else 0
+        seg = Segments(first=first, step=size, rows=size, total=rows, row0=row0, tiles=tiles)
+    release = release or release_for(tiles, seg.nonempty_blocks(world) * tiles.col_tiles(hidden),
+                                     ctas)
+    return replace(seg, release=release)
 
 
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
                   ctas: int, first: int = 0, chunk_stride: int = 0,
-                  tiles: GemmTiles | None = None) -> Segments:
+                  tiles: GemmTiles | None = None, release: str | None = None) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
-    `chunk_stride` rows apart (`segments` says how, and what `tiles` forces)."""
+    `chunk_stride` rows apart (`segments` says how, and what `tiles` and `release` force)."""
     return segments(layout, world, halves[i].rows, hidden=hidden, k=k, ctas=ctas, first=first,
                     chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
-                    first_set_rows=halves[0].rows, tiles=tiles)
+                    first_set_rows=halves[0].rows, tiles=tiles, release=release)
 
 
 def slot_rows(max_tokens: int, world: int) -> int:

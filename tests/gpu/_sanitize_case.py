@@ -1,7 +1,8 @@
 """A small 2-rank run of the fused kernel for compute-sanitizer (memcheck, racecheck): the
 barrier path in both layouts (bulk copies; registers once), the one-shot path (small replicated
 call) and the copy-engine path in both layouts, whole and (replicated) as a transfer + a
-reduction. With one GPU both ranks share it (two processes, CUDA IPC).
+reduction; then the GEMM-fused path (the communicating GEMM + its consumer) in both layouts with
+both releases. With one GPU both ranks share it (two processes, CUDA IPC).
 
 Ranks talk over gloo (no NCCL under the sanitizer), map each other's buffers by CUDA IPC and
 check the kernel against an fp32 computation of the gathered inputs. Exit code 0: all correct.
@@ -87,7 +88,54 @@ def _worker(rank: int, world: int, port: int) -> None:
     for comm in comms.values():
         comm.close()
     buf.close()
+    _gemm_fused(rank, world, device, gen)
     dist.destroy_process_group()
+
+
+def _gemm_fused(rank: int, world: int, device: int, gen: torch.Generator) -> None:
+    """The GEMM-fused path: every rank's GEMM stores its tiles into the owners' inboxes, the
+    owners reduce + add + norm; both layouts, both releases (ops/segments.RELEASES)."""
+    from megatron_tokenweave.communicator import Communicator
+    from megatron_tokenweave.ops.reference import rms_norm_fp32
+    from megatron_tokenweave.ops.segments import RELEASES, segments
+    from megatron_tokenweave.ops.validate import Layout
+
+    n, k, hidden, dtype, eps = 37, 256, 1024, torch.bfloat16, 1e-5
+    dev = torch.device("cuda", device)
+    comm = Communicator(dist.group.WORLD, world * n, hidden, dtype, dev, "kernel")
+    comm.prepare_gemm()
+    for layout in (Layout.SEQUENCE_PARALLEL, Layout.REPLICATED):
+        for release in RELEASES:
+            chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
+            xs = [torch.randn(chunks * n, k, generator=gen).to(dtype) for _ in range(world)]
+            ws = [(torch.randn(hidden, k, generator=gen) / k**0.5).to(dtype) for _ in range(world)]
+            res_all = torch.randn(chunks, n, hidden, generator=gen).to(dtype)
+            weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+            mine = rank if chunks > 1 else 0
+            residual = res_all[mine].to(dev)
+            out = torch.full_like(residual, float("nan"))
+            normed = comm.normed[:chunks * n].view(chunks, n, hidden)
+            normed.fill_(float("nan"))
+            seg = segments(layout, world, n, hidden=hidden, k=k, ctas=8, chunk_stride=n,
+                           release=release)
+            dist.barrier()
+            comm.row_gemm(xs[rank].to(dev), ws[rank].to(dev), None, seg, 0, ctas=8)
+            part = comm.partial[:chunks * n].view(chunks, n, hidden)
+            comm.allreduce_rmsnorm(part, residual, weight.to(dev), eps, out, normed, layout,
+                                   comm="gemm", segments=seg, set_index=0, ctas=4)
+            torch.cuda.synchronize()
+            dist.barrier()
+            y = sum((x.float() @ w.float().t()).to(dtype).float()
+                    for x, w in zip(xs, ws, strict=True))
+            y = y.view(chunks, n, hidden) + res_all.float()
+            err_y = (out.cpu().float() - y[mine]).abs().max().item()
+            err_n = max((normed[c].cpu().float() - rms_norm_fp32(y[c], weight, eps)).abs().max()
+                        .item() for c in range(chunks))
+            if not (err_y < 0.1 and err_n < 0.1):
+                raise SystemExit(f"rank {rank} GEMM-fused {layout.value} release={release}: "
+                                 f"errors {err_y} {err_n}")
+    comm.symmetric.check_error()
+    comm.destroy()
 
 
 if __name__ == "__main__":

@@ -8,16 +8,18 @@ through the communicator (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`), agains
 each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel's output):
 - both layouts; rows per chunk (sequence parallel) or in all (replicated) that are not tile
   multiples (1, 7, 100, 300, 1000, 1031; 1, 100, 1031 at TP 4 and 8); K 1024 / 3584, hidden
-  4096 / 5120; bf16 and fp16; every case twice, the second time on 8 GEMM CTAs; between them
-  every tile shape and both GEMM kernels of ops/segments.py (asserted);
+  4096 / 5120; bf16 and fp16; every case twice, the second time on 8 GEMM CTAs with the other
+  release (the GEMM's CTAs or the consumer publish the tiles); between them every tile shape,
+  both GEMM kernels and both releases of ops/segments.py (asserted);
   bias on rank 0 or none; with and without the norm; one call (inbox set 0) or a split pair
   (half A's consumer on a side stream beside half B's GEMM, sets 0 and 1);
 - outputs poisoned (NaN) before every call, so a row nobody wrote shows; results within a
   rounding bound (one unit in the last place of every rank's partial sum and of the output);
 - a CUDA graph of a split pair replayed between eager calls of other shapes (fresh epochs per
   replay), 60 times, checked every time;
-- a peer that never issues its GEMM: the others' consumers give up (NaN outputs) and the
-  communicator's error names the GEMM-fused reduction, the peer and the row block;
+- a peer that never issues its GEMM (nor its consumer), with either release: the others'
+  consumers give up (NaN outputs) and the communicator's error names the GEMM-fused reduction,
+  the peer and the row block;
 - the inbox's kind of buffer (a SymmetricBuffer without header): zeroed, no error words.
 Time-sliced ranks: functional only, never a performance figure.
 """
@@ -111,11 +113,13 @@ class Case:
         self.normed = comm.normed[:rows].view(self.chunks, n, hidden)
         self.side = torch.cuda.Stream(device=dev)
         self.tiles: set = set()  # the tile shapes its GEMMs took
+        self.releases: set = set()  # and who published them
 
-    def run(self, ctas_beside: int = 16, gemm_ctas: int | None = None) -> None:
+    def run(self, ctas_beside: int = 16, gemm_ctas: int | None = None,
+            release: str | None = None) -> None:
         """The layer's sequence: per half, its GEMM (on gemm_ctas CTAs, default the SMs left
-        beside the consumer), then its consumer (on the side stream when split, beside the next
-        half's GEMM)."""
+        beside the consumer; `release` forced, else the policy's), then its consumer (on the
+        side stream when split, beside the next half's GEMM)."""
         from megatron_tokenweave.ops.segments import half_segments
 
         comm, world = self.comm, self.world
@@ -127,8 +131,9 @@ class Case:
         for i, h in enumerate(self.halves):
             seg = half_segments(self.layout, world, self.halves, i, hidden=comm.hidden,
                                 k=self.x.shape[1], ctas=ctas, first=h.offset,
-                                chunk_stride=self.n)
+                                chunk_stride=self.n, release=release)
             self.tiles.add(seg.tiles)
+            self.releases.add(seg.release)
             comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
                           else None, seg, i, ctas=ctas)
             part = comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)].view(
@@ -226,7 +231,7 @@ def _graph_replays(comm, others, rank) -> int:
     return replays
 
 
-def _peer_never_arrives(group, rank, world, dev) -> None:
+def _peer_never_arrives(group, rank, world, dev, release: str) -> None:
     """The last rank never issues its GEMM or consumer: every other rank's consumer gives up,
     its outputs are NaN and the error names the GEMM-fused reduction and the missing peer."""
     from megatron_tokenweave.communicator import Communicator
@@ -240,9 +245,9 @@ def _peer_never_arrives(group, rank, world, dev) -> None:
                 False)
     if rank != missing:
         case.poison()
-        case.run()
+        case.run(release=release)
         torch.cuda.synchronize()
-        assert case.residual_out.isnan().all(), "outputs not poisoned after the timeout"
+        assert case.residual_out.isnan().all(), f"{release}: outputs not poisoned after timeout"
         with pytest.raises(RuntimeError, match=f"peer rank {missing} never arrived at the "
                            "GEMM-fused reduction .*row block 0"):
             comm.symmetric.check_error()
@@ -278,31 +283,38 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=dev if gpus > 1 else None)
     group = dist.group.WORLD
-    from megatron_tokenweave.ops.segments import LARGE, PINGPONG, SMALL, WIDE
+    from megatron_tokenweave.ops.segments import LARGE, PINGPONG, RELEASES, SMALL, WIDE
 
     t0, ncases = time.time(), 0
-    eager, tiles = {}, set()
+    eager, tiles, releases = {}, set(), set()
     for (_, hidden), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         comm = Communicator(group, MAX_TOKENS, hidden, dtype, dev, "kernel")
         comm.prepare_gemm()
         cases = list(_cases(comm, 1000 * ncases))
         for case in cases:
-            for repeat in range(2):  # the second call: the next epoch of the same set, on 8
-                case.poison()        # GEMM CTAs (where the ping-pong kernel takes most calls)
-                case.run(gemm_ctas=8 if repeat else None)
+            # The second call: the next epoch of the same set, on 8 GEMM CTAs (where the
+            # ping-pong kernel takes most calls), with the release the first did not take.
+            release = None
+            for repeat in range(2):
+                case.poison()
+                case.run(gemm_ctas=8 if repeat else None, release=release)
+                release = next((r for r in RELEASES if r not in case.releases), None)
                 case.check(f"{world}-rank rank {rank} {dtype} {case.layout.value} n={case.n} "
                            f"K={case.x.shape[1]} H={hidden} halves={len(case.halves)} "
                            f"bias={case.bias is not None} norm={case.norm is not None} "
-                           f"call {repeat}")
+                           f"call {repeat} release={sorted(case.releases)}")
             ncases += 1
         eager[(hidden, dtype)] = (comm, cases)
         tiles.update(*(case.tiles for case in cases))
+        releases.update(*(case.releases for case in cases))
     assert tiles == {LARGE, WIDE, SMALL, PINGPONG}, f"tile shapes exercised: {tiles}"
+    assert releases == set(RELEASES), f"releases exercised: {releases}"
     comm, cases = eager[(4096, torch.bfloat16)]
     replays = _graph_replays(comm, cases[:6], rank)
     comm.symmetric.check_error()
     destroy_communicators()
-    _peer_never_arrives(group, rank, world, dev)
+    for release in RELEASES:
+        _peer_never_arrives(group, rank, world, dev, release)
     _headerless_buffer(group, dev)
     print(f"[rank {rank}/{world}] GEMM-fused protocol OK: {ncases} cases, {replays} graph "
           f"replays, {time.time() - t0:.1f}s", flush=True)

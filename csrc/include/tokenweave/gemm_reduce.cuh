@@ -7,10 +7,18 @@
 // Rows of one call are split into P segments; rank c owns segment c (sequence parallel: chunk c's
 // rows of this half; replicated: `seg_rows` rows of the half, a multiple of the GEMM's block
 // rows). Every rank's GEMM stores the output tile of (segment c, row block m, column tile n) into
-// rank c's inbox, slot `src` (its own rank), rows row0 + m * BM ..., and after its last tile each
-// CTA publishes its tiles: bar.sync, fence.acq_rel.sys, then one thread stores
-// flag[set][src][m][n] = e into each owner's inbox (st.relaxed.sys; the fence makes it a
-// release). `e` is the set's epoch: every rank keeps epoch[set] in its own inbox, the GEMM
+// rank c's inbox, slot `src` (its own rank), rows row0 + m * BM ..., and the tiles are published
+// by one of two releases (ops/segments.py RELEASES says which a call takes; the GEMM and its
+// consumer take the same):
+// - by the GEMM: after its last tile each CTA publishes its tiles: bar.sync, fence.acq_rel.sys,
+//   then warp 0 stores flag[set][src][m][n] = e into each owner's inbox (st.relaxed.sys; the
+//   fence makes it a release);
+// - by the consumer (`publish`): the GEMM stores tiles only. The consumer's stream starts it
+//   after the GEMM ends, so every CTA's threads q < P store flag[set][src][0][0] = e into rank q's
+//   inbox (st.release.sys), and every owner waits on that one flag per source: its whole
+//   segment is one block of one tile. Every CTA publishes, so none waits on another CTA of its
+//   own grid.
+// `e` is the set's epoch: every rank keeps epoch[set] in its own inbox, the GEMM
 // stores with epoch[set] + 1 and the consumer's last CTA writes that value back when the call is
 // over, so ranks that make the same calls in the same order stay in step (CUDA graphs replay
 // with fresh epochs, as the kernel reads them from memory). Two sets (the woven schedule's
@@ -56,6 +64,8 @@ struct InboxParams {
   int tiles_stride;          // words between blocks
   uint32_t* epoch;           // local: this set's epoch (the last call's)
   uint32_t* done;            // local: CTAs of this set's current consumer that finished
+  uint32_t* publish[kMaxRanks];  // consumer release: rank q's flag[set][this rank][0][0]; else
+                                 // null (the GEMM published)
 };
 
 // The epoch a call uses after `last` (0 is "never written").
@@ -100,6 +110,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.x == 0) s_inbox_epoch = next_inbox_epoch(*g.epoch);
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);  // syncs: s_inbox_epoch is set too
   const uint32_t ie = s_inbox_epoch;
+  // Consumer release: this rank's GEMM, earlier on this stream, has ended; the release store
+  // orders its tile stores before the flag for every reader that acquires it.
+  if (g.publish[0] != nullptr && e != 0 && threadIdx.x < p.world)
+    st_release_sys(g.publish[threadIdx.x], ie);
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const bool sp = p.sequence_parallel != 0;
