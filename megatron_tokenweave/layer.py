@@ -10,6 +10,7 @@ does not apply, the stock TransformerLayer.forward runs (logged once).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -80,11 +81,19 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return prev._chain
         return WeaveChain()
 
+    @functools.cached_property
+    def _tp(self) -> tuple[int, int]:
+        """(world size, rank) of the layer's tensor-parallel group, which never changes: asked
+        once, not on every forward (torch.distributed's lookups are host time per layer)."""
+        if self.tp_group is None:
+            return 1, 0
+        return dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+
     # ----------------------------------------------------------------- policy
     def _unsupported_reason(self, hidden_states: torch.Tensor) -> str | None:
         """Why the fused path cannot run this call (None when it can)."""
         cfg = self.config
-        if self.tp_group is None or dist.get_world_size(self.tp_group) < 2:
+        if self._tp[0] < 2:
             return "tensor-parallel size is 1"
         if torch.is_grad_enabled():
             return "gradients are enabled (TokenWeave is an inference schedule)"
@@ -155,7 +164,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
     ) -> torch.Tensor:
         cfg, group = self.tokenweave_config, self.tp_group
         sp, is_moe = bool(self.config.sequence_parallel), moe.is_moe(self.mlp)
-        world, hidden = dist.get_world_size(group), x.shape[-1]
+        (world, rank), hidden = self._tp, x.shape[-1]
         chunks = world if sp else 1
         rows = x.shape[0] * x.shape[1] * chunks  # tokens of the whole forward
         comm = get_communicator(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
@@ -183,8 +192,8 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             comm.prepare_copy_engine()
         if plan.comm == "gemm" or (graph_policy and not is_moe and graph_policy.may_use("gemm")):
             comm.prepare_gemm()
-        step = WovenForward(x, group, sp, comm, plan, halves, self._chain.side_stream(x.device),
-                            validate=not self._validated)
+        step = WovenForward(x, world, rank, sp, comm, plan, halves,
+                            self._chain.side_stream(x.device), validate=not self._validated)
         inputs = step.inputs(handoff, self.input_layernorm, group, x)
         next_norm = None if last else norm_weight_eps_in(
             self._chain.successor(self).input_layernorm, x.dtype)

@@ -43,6 +43,10 @@ class SideStream:
     """A higher-priority CUDA stream for communication, with a small ring of reusable events.
 
     On CPU every method is a no-op and the work runs inline, so the schedule is device-agnostic.
+    Streams are looked up by device index and switched with torch.cuda.set_stream: without an
+    index torch.cuda.current_stream() checks CUDA's availability on every call, and the
+    torch.cuda.stream() context looks the current stream up that way too (a dozen such calls
+    per woven layer in eager forwards, where host time is the budget).
     """
 
     RING = 16
@@ -52,6 +56,7 @@ class SideStream:
         if self.enabled:
             _, high = torch.cuda.Stream.priority_range()
             self.stream = torch.cuda.Stream(device=device, priority=high)
+            self.index = self.stream.device_index
             self._events = [torch.cuda.Event() for _ in range(self.RING)]
             self._next = 0
 
@@ -66,11 +71,15 @@ class SideStream:
         if not self.enabled:
             yield
             return
+        main = torch.cuda.current_stream(self.index)
         fork = self._event()
-        fork.record()
+        fork.record(main)
         self.stream.wait_event(fork)
-        with torch.cuda.stream(self.stream):
+        torch.cuda.set_stream(self.stream)
+        try:
             yield
+        finally:
+            torch.cuda.set_stream(main)
 
     def record(self) -> torch.cuda.Event | None:
         """An event marking the side stream's work so far (None on CPU)."""
@@ -84,7 +93,7 @@ class SideStream:
     def wait(event: torch.cuda.Event | None) -> None:
         """Make the current stream wait for `event` (no host synchronisation)."""
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(torch.cuda.current_device()).wait_event(event)
 
 
 @dataclass

@@ -66,10 +66,10 @@ def gemm_ctas(device: torch.device, plan: Plan, split: bool) -> int:
 class WovenForward:
     """One layer's woven forward over hidden states x [s, b, H] (s: this rank's rows)."""
 
-    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
+    def __init__(self, x: torch.Tensor, world: int, rank: int, sequence_parallel: bool,
                  comm: Communicator, plan: Plan, halves: tuple[Half, ...], side: SideStream,
                  validate: bool) -> None:
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = world, rank
         self.layout = Layout.SEQUENCE_PARALLEL if sequence_parallel else Layout.REPLICATED
         self.s_local, self.batch, hidden = x.shape
         self.chunks = self.world if sequence_parallel else 1
