@@ -75,11 +75,14 @@ class SideStream:
         fork = self._event()
         fork.record(main)
         self.stream.wait_event(fork)
+        device = torch.cuda.current_device()  # set_stream makes the stream's device current
         torch.cuda.set_stream(self.stream)
         try:
             yield
         finally:
             torch.cuda.set_stream(main)
+            if device != self.index:
+                torch.cuda.set_device(device)
 
     def record(self) -> torch.cuda.Event | None:
         """An event marking the side stream's work so far (None on CPU)."""

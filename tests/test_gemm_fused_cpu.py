@@ -190,14 +190,19 @@ def test_release_is_the_consumers_up_to_two_large_tiles_per_cta(layout, world):
 
 
 def test_release_of_the_measured_shapes():
-    """1K tokens of the Llama-3-8B shards (one or two tiles per CTA, where the GEMM's release
-    measured 2-9 %) and of the 70B ones: the consumer; 4K of the 70B ones: the GEMM."""
+    """512-2K tokens of the Llama-3-8B shards (up to two LARGE tiles' worth per CTA, where the
+    GEMM's release measured up to 9 %) and 1K of the 70B ones: the consumer; 4K of the 8B
+    ones and 2K-4K of the 70B ones: the GEMM."""
     rep = Layout.REPLICATED
     for world, k in ((2, 2048), (2, 7168), (8, 512), (8, 1792)):
-        assert segments(rep, world, 1024, hidden=4096, k=k, ctas=132).release == "consumer"
+        for tokens in (512, 1024, 2048):
+            release = segments(rep, world, tokens, hidden=4096, k=k, ctas=132).release
+            assert release == "consumer", (world, k, tokens)
+        assert segments(rep, world, 4096, hidden=4096, k=k, ctas=132).release == "gemm"
     for world, k in ((2, 4096), (8, 1024)):
         assert segments(rep, world, 1024, hidden=8192, k=k, ctas=132).release == "consumer"
-        assert segments(rep, world, 4096, hidden=8192, k=k, ctas=132).release == "gemm"
+        for tokens in (2048, 4096):
+            assert segments(rep, world, tokens, hidden=8192, k=k, ctas=132).release == "gemm"
     assert release_for(LARGE, 264, 132) == "consumer"
     assert release_for(LARGE, 265, 132) == "gemm"
     assert release_for(PINGPONG, 528, 132) == "consumer"  # 128 x 128: half a LARGE tile

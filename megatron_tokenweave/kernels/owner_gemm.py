@@ -10,8 +10,8 @@ epilogue is closed and a CUTLASS collective would need a custom epilogue visitor
 docs/kernel.md has the measurements that shaped it: the warp-specialized
 owner_gemm_pingpong.py takes the calls where it measured faster (ops/segments.tiles_for); a
 system-scope fence per tile cost 5-10 %, so each CTA publishes the flags of all its tiles once,
-after its last tile, and where a CTA has one or two tiles even that (~1 us) is left to the
-consumer. Tile shapes and geometry:
+after its last tile, and where a CTA has at most two LARGE tiles' worth of work even that
+(~1 us) is left to the consumer. Tile shapes and geometry:
 ops/segments.py; the consumer: csrc/include/tokenweave/gemm_reduce.cuh.
 
 Tile order: persistent CTAs walk (row block, column tile) pairs grouped by `group_rows` row

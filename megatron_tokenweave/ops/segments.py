@@ -70,8 +70,8 @@ PINGPONG_MIN_TILES = 3
 #   the GEMM ends, first publishes one flag per owner (csrc/include/tokenweave/gemm_reduce.cuh).
 # The GEMM's release (the wait for its last stores, a system-scope fence, the flag stores) is a
 # fixed ~1 us that no work overlaps; where a CTA has at most CONSUMER_RELEASE_MAX_WORK LARGE
-# tiles' worth of work it costs 2-9 % of the GEMM (docs/kernel.md, "At 1K tokens"), and per-block
-# readiness buys nothing there (a CTA's one or two tiles are released together, at its end).
+# tiles' worth of work it costs up to 9 % of the GEMM (docs/kernel.md, "At 1K tokens"), and
+# per-block readiness buys little there (a CTA's few tiles are released together, at its end).
 RELEASES = ("gemm", "consumer")
 CONSUMER_RELEASE_MAX_WORK = 2.0
 

@@ -114,6 +114,7 @@ class Case:
         self.side = torch.cuda.Stream(device=dev)
         self.tiles: set = set()  # the tile shapes its GEMMs took
         self.releases: set = set()  # and who published them
+        self.last_releases: set = set()  # who published the last call's
 
     def run(self, ctas_beside: int = 16, gemm_ctas: int | None = None,
             release: str | None = None) -> None:
@@ -128,12 +129,14 @@ class Case:
         x3 = self.x.view(self.chunks, self.n, -1)
         done = []
         ctas = gemm_ctas or sms - (ctas_beside if split else 0)
+        self.last_releases = set()
         for i, h in enumerate(self.halves):
             seg = half_segments(self.layout, world, self.halves, i, hidden=comm.hidden,
                                 k=self.x.shape[1], ctas=ctas, first=h.offset,
                                 chunk_stride=self.n, release=release)
             self.tiles.add(seg.tiles)
             self.releases.add(seg.release)
+            self.last_releases.add(seg.release)
             comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
                           else None, seg, i, ctas=ctas)
             part = comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)].view(
@@ -293,7 +296,8 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
         cases = list(_cases(comm, 1000 * ncases))
         for case in cases:
             # The second call: the next epoch of the same set, on 8 GEMM CTAs (where the
-            # ping-pong kernel takes most calls), with the release the first did not take.
+            # ping-pong kernel takes most calls), with the release the first did not take (the
+            # policy's again where the first call's halves took both).
             release = None
             for repeat in range(2):
                 case.poison()
@@ -302,7 +306,7 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                 case.check(f"{world}-rank rank {rank} {dtype} {case.layout.value} n={case.n} "
                            f"K={case.x.shape[1]} H={hidden} halves={len(case.halves)} "
                            f"bias={case.bias is not None} norm={case.norm is not None} "
-                           f"call {repeat} release={sorted(case.releases)}")
+                           f"call {repeat} release={sorted(case.last_releases)}")
             ncases += 1
         eager[(hidden, dtype)] = (comm, cases)
         tiles.update(*(case.tiles for case in cases))

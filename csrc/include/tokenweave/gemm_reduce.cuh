@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.x == 0) s_inbox_epoch = next_inbox_epoch(*g.epoch);
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);  // syncs: s_inbox_epoch is set too
   const uint32_t ie = s_inbox_epoch;
-  // Consumer release: this rank's GEMM, earlier on this stream, has ended; the release store
-  // orders its tile stores before the flag for every reader that acquires it.
+  // Consumer release: this rank's GEMM, earlier on this stream, has ended (the kernel boundary
+  // is what makes its stores complete: a launch overlapping the GEMM's grid, such as a
+  // programmatic dependent one, would have to wait for that grid first); the release store
+  // orders those stores before the flag for every reader that acquires it.
   if (g.publish[0] != nullptr && e != 0 && threadIdx.x < p.world)
     st_release_sys(g.publish[threadIdx.x], ie);
   const int hv = p.hidden / kVecElems;
