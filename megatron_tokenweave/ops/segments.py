@@ -16,7 +16,7 @@ Pure Python: the CUDA launcher, the consumer's arguments and the CPU emulation
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
@@ -167,16 +167,15 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
     if release is not None and release not in RELEASES:
         raise TokenWeaveInputError(f"release must be one of {RELEASES}, got {release!r}")
     tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas)
+    release = release or release_for(
+        tiles, row_blocks(layout, world, rows, tiles.block_rows) * tiles.col_tiles(hidden), ctas)
     if layout is Layout.SEQUENCE_PARALLEL:
-        seg = Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
-                       row0=chunk_row0, tiles=tiles)
-    else:
-        size = _round_up(max(1, -(-rows // world)), tiles.block_rows)
-        row0 = _round_up(max(1, -(-first_set_rows // world)), MAX_BLOCK_ROWS) if set_index else 0
-        seg = Segments(first=first, step=size, rows=size, total=rows, row0=row0, tiles=tiles)
-    release = release or release_for(tiles, seg.nonempty_blocks(world) * tiles.col_tiles(hidden),
-                                     ctas)
-    return replace(seg, release=release)
+        return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
+                        row0=chunk_row0, tiles=tiles, release=release)
+    size = _round_up(max(1, -(-rows // world)), tiles.block_rows)
+    row0 = _round_up(max(1, -(-first_set_rows // world)), MAX_BLOCK_ROWS) if set_index else 0
+    return Segments(first=first, step=size, rows=size, total=rows, row0=row0, tiles=tiles,
+                    release=release)
 
 
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
