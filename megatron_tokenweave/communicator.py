@@ -72,13 +72,16 @@ class KernelFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank of a group settled on: the backend, why (when not the kernel), and the
-    kernel's settings."""
+    """What every rank of a group settled on: the backend, why (when not the kernel), the
+    kernel's settings, and the SMs of the group's smallest GPU (the communicating GEMM's CTA
+    budget: its tile shapes and who releases its tiles follow from it, so every rank must
+    count the same)."""
 
     backend: str
     reason: str
     settings: KernelSettings
     timeout_s: float
+    sms: int
     multicast: bool = False  # backend "multimem": the kernel over a kernels.MulticastBuffer
 
 
@@ -111,6 +114,10 @@ def _min_max(values: list[int], group: dist.ProcessGroup,
     n = len(values)
     out = t.tolist()
     return [-v for v in out[n:]], out[:n]
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _env_flag(env: dict[str, str | None], name: str) -> bool:
@@ -146,7 +153,8 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden
           key: str = "") -> Agreement:
     """Settle the backend and kernel settings on every rank of `group` (a collective).
 
-    First one all-reduce of each rank's capabilities (device kind, CUDA extension loaded) and of
+    First one all-reduce of each rank's capabilities (device kind, CUDA extension loaded, SM
+    count: the group's smallest is agreed) and of
     fingerprints of the requested backend and `key` (the caller's description of what it
     creates: hidden size, dtype, capacity), the AGREED_ENV variables and the cached tuning
     tables: a difference is a TokenWeaveInputError on every rank naming what differs. Only then
@@ -164,8 +172,9 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden
     names = ["the requested backend and the communicator's size", *AGREED_ENV, TUNING_TABLES]
     digests = ([_digest(f"{requested}|{hidden}|{key}")] + [_digest(env[n]) for n in AGREED_ENV]
                + [_tables_digest()])
-    lows, highs = _min_max([int(is_cuda), int(ext), *digests], group, device)
-    differ = [n for n, lo, hi in zip(names, lows[2:], highs[2:], strict=True) if lo != hi]
+    sms = _sm_count(device) if is_cuda else 1
+    lows, highs = _min_max([int(is_cuda), int(ext), sms, *digests], group, device)
+    differ = [n for n, lo, hi in zip(names, lows[3:], highs[3:], strict=True) if lo != hi]
     if differ:
         raise TokenWeaveInputError(
             f"TokenWeave: the ranks of the TP group differ in {', '.join(differ)}; every rank "
@@ -185,7 +194,8 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden
         bulk=not _env_flag(env, "TOKENWEAVE_NO_BULK"),
         oneshot=not _env_flag(env, "TOKENWEAVE_NO_ONESHOT"),
         twoshot=not _env_flag(env, "TOKENWEAVE_NO_TWOSHOT"),
-        local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES")), timeout_s=timeout_s)
+        local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES")), timeout_s=timeout_s,
+        sms=lows[2])
     world = dist.get_world_size(group)
     if requested == "reference":
         return Agreement("reference", "requested", **settings)

@@ -90,13 +90,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         return dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
 
     # ----------------------------------------------------------------- policy
-    def _unsupported_reason(self, hidden_states: torch.Tensor) -> str | None:
-        """Why the fused path cannot run this call (None when it can)."""
+    @functools.cached_property
+    def _structure_reason(self) -> str | None:
+        """Why the layer's configuration or modules rule the fused path out (None when they
+        do not): fixed once the model is built, so checked once, not per forward."""
         cfg = self.config
-        if self._tp[0] < 2:
-            return "tensor-parallel size is 1"
-        if torch.is_grad_enabled():
-            return "gradients are enabled (TokenWeave is an inference schedule)"
         if cfg.normalization != "RMSNorm":
             return f"normalization is {cfg.normalization}, the fused op is RMSNorm"
         if (
@@ -104,10 +102,6 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             or norm_weight_eps(self.pre_mlp_layernorm) is None
         ):
             return "the layer's norms are not plain RMSNorm modules"
-        if hidden_states.dtype not in SUPPORTED_DTYPES:
-            return f"dtype {hidden_states.dtype} is not supported"
-        if hidden_states.dtype not in KERNEL_DTYPES and hidden_states.is_cuda:
-            return f"the CUDA kernel takes bf16/fp16, not {hidden_states.dtype}"
         if cfg.hidden_size % VECTOR_ELEMS != 0:
             return f"hidden size {cfg.hidden_size} is not a multiple of {VECTOR_ELEMS}"
         if cfg.fp32_residual_connection:
@@ -130,6 +124,20 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             linears += [getattr(self.mlp, name, None) for name in ("linear_fc1", "linear_fc2")]
         if not all(isinstance(m, WovenLinearMixin) for m in linears):
             return "the attention/MLP linears are not TokenWeave linears"
+        return None
+
+    def _unsupported_reason(self, hidden_states: torch.Tensor) -> str | None:
+        """Why the fused path cannot run this call (None when it can)."""
+        if self._tp[0] < 2:
+            return "tensor-parallel size is 1"
+        if torch.is_grad_enabled():
+            return "gradients are enabled (TokenWeave is an inference schedule)"
+        if self._structure_reason is not None:
+            return self._structure_reason
+        if hidden_states.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {hidden_states.dtype} is not supported"
+        if hidden_states.dtype not in KERNEL_DTYPES and hidden_states.is_cuda:
+            return f"the CUDA kernel takes bf16/fp16, not {hidden_states.dtype}"
         if hidden_states.dim() != 3 or not hidden_states.is_contiguous():
             return "hidden_states is not a contiguous [s, b, h] tensor"
         return None

@@ -49,18 +49,14 @@ class Stage:
     ops: list[Pending] = field(default_factory=list)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def gemm_ctas(device: torch.device, plan: Plan, split: bool) -> int:
+def gemm_ctas(comm: Communicator, plan: Plan, split: bool) -> int:
     """Persistent CTAs of the communicating GEMM: every SM unsplit; beside the other half's op,
-    the SMs that op leaves (a CTA waiting for an SM would finish its tiles last)."""
-    if device.type != "cuda":
+    the SMs that op leaves (a CTA waiting for an SM would finish its tiles last). The SMs are
+    the communicator's agreed count, so every rank picks the same tiles and release."""
+    if comm.device.type != "cuda":
         return 1  # the emulation ignores it
     beside = max(plan.comm_ctas_attn, plan.comm_ctas_mlp) if split else 0
-    return max(1, _sm_count(device) - beside)
+    return max(1, comm.agreement.sms - beside)
 
 
 class WovenForward:
@@ -90,7 +86,7 @@ class WovenForward:
         # GEMM-fused mechanism: the segments of the GEMM just issued for each half (its consumer
         # takes the same), and the SMs the GEMM leaves to the other half's op.
         self.gemm_segments: list[Segments | None] = [None] * len(halves)
-        self.gemm_ctas = gemm_ctas(x.device, plan, self.split) if self.fused_gemm else 0
+        self.gemm_ctas = gemm_ctas(comm, plan, self.split) if self.fused_gemm else 0
 
     @property
     def fused_gemm(self) -> bool:

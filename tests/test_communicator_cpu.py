@@ -1,7 +1,7 @@
 """The communicator's collective agreement (CPU, 2 gloo ranks): settings that decide the protocol
 are the same on every rank or every rank gets a clear error, never a hang; a rank without the
-CUDA extension makes every rank take the same fallback; a one-rank group is a correct no-op
-reduction.
+CUDA extension makes every rank take the same fallback; ranks agree on one SM count; a one-rank
+group is a correct no-op reduction.
 """
 
 from __future__ import annotations
@@ -79,14 +79,16 @@ def test_cached_tuning_tables_that_differ_between_ranks_are_an_error(tmp_path):
 
 
 def _without_extension_on_rank_1(rank: int, world: int, requested: str) -> str:
-    """A rank whose CUDA extension cannot load (faked: a CUDA device object and
-    kernels.is_available answered per rank; nothing touches CUDA before the agreement)."""
+    """A rank whose CUDA extension cannot load (faked: a CUDA device object, and
+    kernels.is_available and the SM count answered per rank; nothing touches CUDA before the
+    agreement)."""
     import torch.distributed as dist
 
-    from megatron_tokenweave import kernels
+    from megatron_tokenweave import communicator, kernels
     from megatron_tokenweave.communicator import agree
 
     kernels.is_available = lambda: rank == 0
+    communicator._sm_count = lambda device: 132
     try:
         return agree(dist.group.WORLD, torch.device("cuda", 0), requested, H).backend
     except Exception as exc:  # noqa: BLE001
@@ -101,6 +103,27 @@ def test_a_rank_without_the_extension_gives_every_rank_the_same_fallback():
     assert "could not be loaded on another rank" in results[0], results
     assert "could not be loaded on this rank" in results[1], results
     assert all(r.startswith("RuntimeError: TokenWeave backend 'kernel'") for r in results)
+
+
+def _sm_counts(rank: int, world: int, counts: tuple[int, ...]) -> tuple[str, int]:
+    """Agree with this rank's GPU faked to have counts[rank] SMs (the extension faked loaded,
+    peer access faked granted)."""
+    import torch.distributed as dist
+
+    from megatron_tokenweave import communicator, kernels
+
+    kernels.is_available = lambda: True
+    communicator._sm_count = lambda device: counts[rank]
+    communicator._peer_reachable = lambda group, device: (True, "")
+    a = communicator.agree(dist.group.WORLD, torch.device("cuda", rank), "auto", H)
+    return a.backend, a.sms
+
+
+def test_ranks_whose_gpus_differ_in_sm_count_agree_on_the_smallest():
+    """The communicating GEMM's tile shapes and release follow from its CTA budget; ranks that
+    counted different SMs would pick different protocols and time out waiting for each other."""
+    assert run_ranks(_sm_counts, (132, 114)) == [("kernel", 114)] * 2
+    assert run_ranks(_sm_counts, (78, 78)) == [("kernel", 78)] * 2
 
 
 @pytest.mark.parametrize("comm", ["fused", "collectives"])

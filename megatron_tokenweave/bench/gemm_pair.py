@@ -33,7 +33,7 @@ from megatron_tokenweave.bench import add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.linears import gemm_into
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import RELEASES, TILES, GemmTiles, half_segments
+from megatron_tokenweave.ops.segments import RELEASES, TILES, GemmTiles, Segments, half_segments
 from megatron_tokenweave.ops.validate import Layout
 from megatron_tokenweave.schedule import Half, SideStream
 
@@ -68,8 +68,7 @@ class Pair:
         self.residual_out = torch.empty(self.n, hidden, device=dev, dtype=dtype)
         self.partial_out = torch.empty(rows, hidden, device=dev, dtype=dtype)  # cublas_nccl's
         self.side = SideStream(dev)
-        self.sms = (torch.cuda.get_device_properties(dev).multi_processor_count
-                    if dev.type == "cuda" else 1)
+        self.sms = comm.agreement.sms
 
     def normed(self) -> torch.Tensor:
         return self.comm.normed[:self.chunks * self.n].view(self.chunks, self.n, -1)
@@ -97,39 +96,13 @@ class Pair:
 
     def _run(self, split: bool, gemm: bool, tiles: GemmTiles | None = None,
              release: str | None = None) -> None:
-        """The woven layer's sequence for one row-parallel linear: per half its GEMM (`tiles`,
-        `release`: forced, else the policy's), then its op (on the side stream when split,
-        beside the next half's GEMM)."""
         n = self.n
         halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
             Half(0, n),)
-        x3 = self.x.view(self.chunks, n, -1)
-        pending = []
-        for i, h in enumerate(halves):
-            part = self.comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)]
-            part = part.view(self.chunks, h.rows, -1)
-            seg = None
-            if gemm:
-                ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
-                seg = half_segments(self.layout, self.world, halves, i, hidden=self.w.shape[0],
-                                    k=self.w.shape[1], ctas=ctas, first=h.offset,
-                                    chunk_stride=n, tiles=tiles, release=release)
-                self.comm.row_gemm(self.x, self.w, None, seg, i, validate=False, ctas=ctas)
-            else:
-                gemm_into(h.of(x3), self.w, part)
-            rows = slice(h.offset, h.offset + h.rows)
-            op = dict(comm="gemm" if gemm else "fused", segments=seg, set_index=i,
-                      validate=False)
-            args = (part, self.residual[rows], self.norm, EPS, self.residual_out[rows],
-                    h.of(self.normed()), self.layout)
-            if len(halves) == 1:
-                self.comm.allreduce_rmsnorm(*args, ctas=CTAS_ALONE, **op)
-                continue
-            with self.side.run():
-                self.comm.allreduce_rmsnorm(*args, ctas=CTAS_BESIDE, **op)
-            pending.append(self.side.record())
-        for event in pending:
-            SideStream.wait(event)
+        woven_linear(self.comm, self.layout, self.x.view(self.chunks, n, -1), self.w, None,
+                     halves, self.residual, self.norm, self.residual_out, self.normed(),
+                     self.side, gemm=gemm, ctas=self.sms - (CTAS_BESIDE if split else 0),
+                     tiles=tiles, release=release, validate=False)
 
     def check(self) -> list[str]:
         """Run every plan once; the names of those whose outputs differ from cublas_nccl's."""
@@ -147,6 +120,50 @@ class Pair:
                     bad.append(name)
                     break
         return bad
+
+
+def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, halves: tuple[Half, ...], residual: torch.Tensor,
+                 norm: torch.Tensor | None, residual_out: torch.Tensor,
+                 normed: torch.Tensor | None, side: SideStream, *, gemm: bool, ctas: int,
+                 tiles: GemmTiles | None = None, release: str | None = None,
+                 validate: bool = True) -> list[Segments]:
+    """One row-parallel linear and its fused op as the woven layer runs them, alone: per half
+    its GEMM over rows `halves[i]` of every chunk of x [chunks, n, K] (gemm: the communicating
+    GEMM on `ctas` CTAs, `tiles` and `release` forced, else the policy's; else torch.matmul
+    into the communicator's buffer), then its op (on `side` when split, beside the next half's
+    GEMM); residual, residual_out [n, H], normed [chunks, n, H] (None without a norm). The
+    segments each communicating GEMM took, in half order."""
+    chunks, world = x.shape[0], dist.get_world_size(comm.group)
+    split = len(halves) > 1
+    taken, pending = [], []
+    for i, h in enumerate(halves):
+        part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)]
+        part = part.view(chunks, h.rows, -1)
+        seg = None
+        if gemm:
+            seg = half_segments(layout, world, halves, i, hidden=weight.shape[0],
+                                k=weight.shape[1], ctas=ctas, first=h.offset,
+                                chunk_stride=x.shape[1], tiles=tiles, release=release)
+            comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i, validate=validate,
+                          ctas=ctas)
+            taken.append(seg)
+        else:
+            gemm_into(h.of(x), weight, part)
+        rows = slice(h.offset, h.offset + h.rows)
+        args = (part, residual[rows], norm, EPS, residual_out[rows],
+                h.of(normed) if normed is not None else None, layout)
+        op = dict(comm="gemm" if gemm else "fused", segments=seg, set_index=i,
+                  validate=validate)
+        if not split:
+            comm.allreduce_rmsnorm(*args, ctas=CTAS_ALONE, **op)
+            continue
+        with side.run():
+            comm.allreduce_rmsnorm(*args, ctas=CTAS_BESIDE, **op)
+        pending.append(side.record())
+    for event in pending:
+        SideStream.wait(event)
+    return taken
 
 
 def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:

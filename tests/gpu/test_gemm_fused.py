@@ -72,7 +72,7 @@ class Case:
 
     def __init__(self, comm, layout, n, k, dtype, seed, bias_on, norm_on, split):
         from megatron_tokenweave.ops.validate import Layout
-        from megatron_tokenweave.schedule import Half
+        from megatron_tokenweave.schedule import Half, SideStream
 
         world, rank, dev = dist.get_world_size(comm.group), dist.get_rank(comm.group), comm.device
         hidden = comm.hidden
@@ -111,52 +111,28 @@ class Case:
         self.residual = self.residual_all.view(self.chunks, n, hidden)[rank if self.sp else 0]
         self.residual_out = torch.empty(n, hidden, dtype=dtype, device=dev)
         self.normed = comm.normed[:rows].view(self.chunks, n, hidden)
-        self.side = torch.cuda.Stream(device=dev)
+        self.side = SideStream(dev)
         self.tiles: set = set()  # the tile shapes its GEMMs took
         self.releases: set = set()  # and who published them
         self.last_releases: set = set()  # who published the last call's
 
-    def run(self, ctas_beside: int = 16, gemm_ctas: int | None = None,
-            release: str | None = None) -> None:
-        """The layer's sequence: per half, its GEMM (on gemm_ctas CTAs, default the SMs left
-        beside the consumer; `release` forced, else the policy's), then its consumer (on the
-        side stream when split, beside the next half's GEMM)."""
-        from megatron_tokenweave.ops.segments import half_segments
+    def run(self, gemm_ctas: int | None = None, release: str | None = None) -> None:
+        """The layer's sequence (bench.gemm_pair.woven_linear): per half, its GEMM (on
+        gemm_ctas CTAs, default the SMs left beside the consumer; `release` forced, else the
+        policy's), then its consumer (on the side stream when split, beside the next half's
+        GEMM)."""
+        from megatron_tokenweave.bench.gemm_pair import CTAS_BESIDE, woven_linear
 
-        comm, world = self.comm, self.world
         split = len(self.halves) > 1
-        sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
-        x3 = self.x.view(self.chunks, self.n, -1)
-        done = []
-        ctas = gemm_ctas or sms - (ctas_beside if split else 0)
-        self.last_releases = set()
-        for i, h in enumerate(self.halves):
-            seg = half_segments(self.layout, world, self.halves, i, hidden=comm.hidden,
-                                k=self.x.shape[1], ctas=ctas, first=h.offset,
-                                chunk_stride=self.n, release=release)
-            self.tiles.add(seg.tiles)
-            self.releases.add(seg.release)
-            self.last_releases.add(seg.release)
-            comm.row_gemm(x3.reshape(-1, x3.shape[-1]), self.w, self.bias if self.rank == 0
-                          else None, seg, i, ctas=ctas)
-            part = comm.partial[self.chunks * h.offset:self.chunks * (h.offset + h.rows)].view(
-                self.chunks, h.rows, -1)
-            rows = slice(h.offset, h.offset + h.rows)
-            args = (part, self.residual[rows], self.norm, EPS, self.residual_out[rows],
-                    h.of(self.normed) if self.norm is not None else None, self.layout)
-            if split:
-                ev = torch.cuda.Event()
-                ev.record()
-                self.side.wait_event(ev)
-                with torch.cuda.stream(self.side):
-                    comm.allreduce_rmsnorm(*args, ctas=ctas_beside, comm="gemm", segments=seg,
-                                           set_index=i)
-                    done.append(torch.cuda.Event())
-                    done[-1].record()
-            else:
-                comm.allreduce_rmsnorm(*args, ctas=64, comm="gemm", segments=seg, set_index=i)
-        for ev in done:
-            torch.cuda.current_stream().wait_event(ev)
+        ctas = gemm_ctas or self.comm.agreement.sms - (CTAS_BESIDE if split else 0)
+        taken = woven_linear(
+            self.comm, self.layout, self.x.view(self.chunks, self.n, -1), self.w,
+            self.bias if self.rank == 0 else None, self.halves, self.residual, self.norm,
+            self.residual_out, self.normed if self.norm is not None else None, self.side,
+            gemm=True, ctas=ctas, release=release)
+        self.tiles.update(seg.tiles for seg in taken)
+        self.last_releases = {seg.release for seg in taken}
+        self.releases.update(self.last_releases)
 
     def poison(self) -> None:
         self.residual_out.fill_(float("nan"))
