@@ -40,6 +40,8 @@
 #   gemm   the GEMM-fused mechanism on one GPU: its protocol with 2, 4 and 8 ranks sharing the GPU,
 #          the woven layer's parity with it (ranks sharing the GPU), and the communicating GEMM
 #          against cuBLAS / TE (bench gemm_fused; TE rows where `stage.sh te` was carried)
+#   gemm_cutlass  the communicating GEMM beside CUTLASS's sm90 kernels and cluster shapes (bench
+#          gemm_fused --cutlass; needs `stage.sh cutlass` carried; builds the reference, minutes)
 #   gemm2  the GEMM-fused mechanism on 2 GPUs: its protocol test across NVLink, then the row GEMM +
 #          all-reduce + norm per mechanism (bench gemm_pair), both layouts, 512-8K tokens
 #   gemm2_tiles  the same pair with each tile shape forced, replicated, 1K / 4K tokens: how
@@ -68,6 +70,11 @@ case "$phase" in
     TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
     TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused \
       --out "$out/gemm_fused_1gpu.json"
+    ;;
+  gemm_cutlass)
+    TAIL=6 step cutlass_test 420 python -m pytest -x -v -s tests/gpu/test_cutlass_gemm.py
+    TAIL=40 step cutlass_bench 300 python -m megatron_tokenweave.bench gemm_fused --cutlass \
+      --tokens 1024 2048 4096 8192 --iters 20 --out "$out/gemm_cutlass_1gpu.json"
     ;;
   gemm2)
     TAIL=6 step gemm_two_gpus 300 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py -k two_gpus

@@ -11,12 +11,15 @@ so the stores and flags are all paid, only the NVLink is not; the policy picks w
 the tiles, ops/segments.release_for) and `tokenweave_release_gemm` / `_consumer` (each
 release forced: the GEMM's CTAs fence and store flags after their last tile, or the GEMM only
 stores tiles and its consumer publishes them, which costs the consumer a flag store per rank,
-timed with the consumer on two GPUs). Replicated layout (what Megatron's engines run),
-all SMs (the unsplit case). Each impl is one CUDA graph of CALLS calls back to back on as many
-inputs (a graph of a single call also times its replay's launch, microseconds beside GEMMs of
-10-30 us); replays interleaved (bench/timing.py), bf16, medians per call. The tokenweave rows
-are checked against cuBLAS before timing. The reduction that consumes the tiles needs peers:
-its timing is part of the 2-GPU kernel benchmark.
+timed with the consumer on two GPUs). `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>`
+rows (bench/cutlass_gemm.py: CUTLASS 3's warp-specialized sm90 kernels, clusters of one CTA or
+of two sharing operand tiles through TMA multicast), the plot a second row: per cluster shape,
+the best configuration's speed relative to cuBLAS, median over the shards. Replicated layout
+(what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS
+calls back to back on as many inputs (a graph of a single call also times its replay's launch,
+microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), bf16, medians
+per call. The tokenweave and CUTLASS rows are checked against cuBLAS before timing. The
+reduction that consumes the tiles needs peers: its timing is part of the 2-GPU kernel benchmark.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor],
     return linear
 
 
-def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
+def measure(model: str, tp: int, tokens: int, iters: int, cutlass: bool = False) -> list[dict]:
     """Rows of one (model, TP, tokens): every GEMM x impl, in microseconds."""
     from megatron_tokenweave.kernels.inbox import GemmInbox
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
@@ -78,6 +81,8 @@ def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
         te = _te_linear(k, n, w)
         if te is not None:
             impls["te"] = lambda x, te=te: te(x)
+        if cutlass:
+            impls.update(_cutlass_impls(w, out))
         _check(impls, inbox, seg, xs[0], out)
         with torch.no_grad():
             graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
@@ -90,9 +95,25 @@ def measure(model: str, tp: int, tokens: int, iters: int) -> list[dict]:
     return rows
 
 
+def _cutlass_impls(w: torch.Tensor, out: torch.Tensor) -> dict[str, Callable]:
+    from megatron_tokenweave.bench import cutlass_gemm
+
+    return {f"cutlass_{name}": lambda x, f=cutlass_gemm.gemm(name), w=w, out=out: f(x, w, out)
+            for name in cutlass_gemm.CONFIGS}
+
+
 def _check(impls: dict, inbox, seg, x: torch.Tensor, out: torch.Tensor) -> None:
-    """The communicating GEMM's tiles, in every owner's slot of rank 0, equal cuBLAS's rows."""
+    """The communicating GEMM's tiles, in every owner's slot of rank 0, and every CUTLASS
+    configuration's output (poisoned first) equal cuBLAS's rows."""
     impls["cublas"](x)
+    want = out.clone()
+    for impl in (i for i in impls if i.startswith("cutlass_")):
+        out.fill_(float("nan"))
+        impls[impl](x)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, impl=impl: f"{impl}: {m}")
+    out.copy_(want)
     for slots in inbox.owner_slots:
         slots.fill_(float("nan"))
     impls["tokenweave"](x)
@@ -105,6 +126,8 @@ def _check(impls: dict, inbox, seg, x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _plot(result: dict, path: str) -> None:
+    import statistics
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,23 +136,53 @@ def _plot(result: dict, path: str) -> None:
     rows = result["rows"]
     by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r["impl"]): r["us"] for r in rows}
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    clusters = sorted({r["impl"].rsplit("_", 1)[1] for r in rows
+                       if r["impl"].startswith("cutlass_")})
+    fig, axes = plt.subplots(2 if clusters else 1, len(models), figsize=(6 * len(models), 8 if
+                             clusters else 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
+        lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
         for gemm in GEMMS:
             for tp in sorted({r["tp"] for r in rows}):
-                lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
                 ratio = [by[(model, gemm, tp, t, "cublas")] / by[(model, gemm, tp, t, "tokenweave")]
                          for t in lengths]
                 ax.plot(lengths, ratio, marker="o", label=f"{gemm} TP={tp}")
+        ax.set_ylabel("cuBLAS time / communicating GEMM time")
+        ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
+    for ax, model in zip(axes[1] if clusters else (), models, strict=True):
+        lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
+        shards = sorted({(r["gemm"], r["tp"]) for r in rows if r["model"] == model})
+
+        def median_ratio(pick, t, model=model, shards=shards):
+            return statistics.median(by[(model, g, tp, t, "cublas")] / pick(model, g, tp, t)
+                                     for g, tp in shards)
+
+        for cluster in clusters:
+            impls = {r["impl"] for r in rows if r["impl"].endswith("_" + cluster)}
+            ax.plot(lengths, [median_ratio(lambda *key, impls=impls: min(
+                by[(*key, i)] for i in impls), t) for t in lengths], marker="o",
+                label=f"CUTLASS, best of cluster {cluster[1:]}")
+        ax.plot(lengths, [median_ratio(lambda *key: by[(*key, "tokenweave")], t)
+                          for t in lengths], marker="s", color="black", label="tokenweave")
+        ax.set_ylabel("cuBLAS time / GEMM time (median over shards)")
+        ax.set_title(f"{model}: CUTLASS cluster shapes", fontsize=9)
+    for ax in axes.flat:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(0.98, color="red", lw=0.6, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
-        ax.set_ylabel("cuBLAS time / communicating GEMM time")
-        ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _best_cutlass(us: dict, gemm: str) -> str:
+    """' cutlass <best configuration> <cuBLAS / its time>', or '' without CUTLASS rows."""
+    mine = {i: t for (g, i), t in us.items() if g == gemm and i.startswith("cutlass_")}
+    if not mine:
+        return ""
+    best = min(mine, key=mine.get)
+    return f" {best} {us[(gemm, 'cublas')] / mine[best]:.3f}"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,6 +191,9 @@ def parser() -> argparse.ArgumentParser:
                         choices=sorted(SHAPES), metavar="MODEL", help="dense model shapes")
     parser.add_argument("--tp", nargs="+", type=int, default=[2, 4, 8],
                         help="tensor-parallel sizes whose shards are timed")
+    parser.add_argument("--cutlass", action="store_true",
+                        help="also time CUTLASS's sm90 kernels (bench/cutlass_gemm.py; needs the "
+                             "nvidia-cutlass package, builds on first use)")
     add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=30, timed="impl",
                         out="docs/results/gemm_fused_1gpu.json")
     return parser
@@ -147,13 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the GEMM-fused benchmark needs a GPU")
+    if args.cutlass:
+        from megatron_tokenweave.bench import cutlass_gemm
+
+        try:
+            cutlass_gemm.load()
+        except cutlass_gemm.CutlassUnavailableError as exc:
+            raise SystemExit(f"--cutlass: {exc}") from exc
     rows = []
     for model in args.models:
         if SHAPES[model].experts:
             raise SystemExit(f"{model} is a mixture of experts: dense shapes only")
         for tp in args.tp:
             for tokens in args.tokens:
-                got = measure(model, tp, tokens, args.iters)
+                got = measure(model, tp, tokens, args.iters, args.cutlass)
                 rows += got
                 us = {(r["gemm"], r["impl"]): r["us"] for r in got}
                 print(f"{model} TP={tp} {tokens:5d} tokens: " + ", ".join(
@@ -162,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                        if (g, "te") in us else "")
                     + " (release " + " ".join(
                         f"{r} {us[(g, 'cublas')] / us[(g, f'tokenweave_release_{r}')]:.3f}"
-                        for r in RELEASES) + ")"
+                        for r in RELEASES) + ")" + _best_cutlass(us, g)
                     for g in GEMMS), flush=True)
     write_result("gemm_fused", argv, rows, args.out, _plot)
 
