@@ -2,10 +2,13 @@
 Triton, without a GPU: every tile shape of ops/segments.py, bf16 and fp16, with and without bias.
 Gluon's API still moves between Triton versions (a TMA load was renamed after 3.6); this catches
 it before a GPU does. The PTX has the MMAs, 16-byte output stores and one system-scope fence per
-CTA (the flags' release), the properties docs/kernel.md relies on."""
+CTA (the flags' release), the properties docs/kernel.md relies on; in the one-consumer kernel
+(plain Triton, whose layouts the compiler picks) the flag lanes are laid out one per lane of
+every warp, so warp 0, which alone stores flags, holds all of them."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -30,11 +33,22 @@ def _signature(fn: Any, descriptors: dict, dtype: torch.dtype, consts: dict) -> 
     return sig, attrs
 
 
-def _compile(source: Any, warps: int, stages: int | None = None) -> str:
+def _compile(source: Any, warps: int, stages: int | None = None) -> dict[str, Any]:
+    """The kernel's assembly by stage (ptx, ttgir, ...)."""
     from triton.backends.compiler import GPUTarget
 
     options = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm
+
+
+def _range_layout(ttgir: str, n: int) -> str:
+    """The layout definition of the kernel's arange(0, n) (the flag lanes for n = 32)."""
+    ranges = re.findall(rf"tt\.make_range {{end = {n} : i32, start = 0 : i32}} : "
+                        rf"tensor<{n}xi32, (#[\w]+)>", ttgir)
+    assert len(set(ranges)) == 1, f"arange(0, {n}) layouts: {ranges}"
+    definition = re.search(rf"^{re.escape(ranges[0])} = (.*)$", ttgir, re.M)
+    assert definition, ranges[0]
+    return definition.group(1)
 
 
 @pytest.mark.parametrize("dtype", list(TYPES))
@@ -52,10 +66,13 @@ def test_one_consumer_kernel_compiles_for_sm90(tiles, bias, dtype):
     sig, attrs = _signature(fn, {
         "a_desc": f"tensordesc<{t}[{tiles.block_rows}, {tiles.block_k}]>",
         "b_desc": f"tensordesc<{t}[{tiles.block_cols}, {tiles.block_k}]>"}, dtype, consts)
-    ptx = _compile(ASTSource(fn, sig, consts, attrs), tiles.warps, tiles.stages)
+    asm = _compile(ASTSource(fn, sig, consts, attrs), tiles.warps, tiles.stages)
+    ptx = asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert "st.global.v4" in ptx
     assert ptx.count("fence.acq_rel.sys") == 1
+    lanes = _range_layout(asm["ttgir"], 32)
+    assert "sizePerThread = [1]," in lanes and "threadsPerWarp = [32]," in lanes, lanes
 
 
 @pytest.mark.parametrize("dtype", list(TYPES))
@@ -79,7 +96,7 @@ def test_pingpong_kernel_compiles_for_sm90(bias, dtype):
     consts = dict(HAS_BIAS=bias, GROUP_M=t.group_rows, STAGES=t.stages, RELEASE=True)
     sig, attrs = _signature(fn, {"a_desc": desc(t.block_rows), "b_desc": desc(t.block_cols)},
                             dtype, consts)
-    ptx = _compile(GluonASTSource(fn, sig, consts, attrs), t.warps)
+    ptx = _compile(GluonASTSource(fn, sig, consts, attrs), t.warps)["ptx"]
     assert "wgmma.mma_async" in ptx
     assert "setmaxnreg" in ptx  # the partitions really are warp-specialized
     assert "st.global.v4" in ptx
