@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
-# were received: ../shared/device/stage.sh base / te / fa4, .ci/stage_serve.sh and
+# were received: ../shared/device/stage.sh base / te / fa4 / cutlass, .ci/stage_serve.sh and
 # .ci/stage_flashinfer.sh, carried in back-to-back calls that each run `bash .dw/recv.sh`
 # (one call carries at most 64 MiB; ~10 s each). The first phase run
 # builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`

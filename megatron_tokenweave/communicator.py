@@ -154,11 +154,11 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden
     """Settle the backend and kernel settings on every rank of `group` (a collective).
 
     First one all-reduce of each rank's capabilities (device kind, CUDA extension loaded, SM
-    count: the group's smallest is agreed) and of
-    fingerprints of the requested backend and `key` (the caller's description of what it
-    creates: hidden size, dtype, capacity), the AGREED_ENV variables and the cached tuning
-    tables: a difference is a TokenWeaveInputError on every rank naming what differs. Only then
-    the collectives that depend on those (peer reachability).
+    count: the group's smallest is agreed) and of fingerprints of the requested backend and
+    `key` (the caller's description of what it creates: hidden size, dtype, capacity), the
+    AGREED_ENV variables and the cached tuning tables: a difference is a TokenWeaveInputError
+    on every rank naming what differs. Only then the collectives that depend on those (peer
+    reachability).
     """
     if requested not in BACKENDS:
         raise TokenWeaveInputError(f"backend must be one of {BACKENDS}, got {requested!r}")

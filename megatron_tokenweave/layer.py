@@ -90,10 +90,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         return dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
 
     # ----------------------------------------------------------------- policy
-    @functools.cached_property
-    def _structure_reason(self) -> str | None:
-        """Why the layer's configuration or modules rule the fused path out (None when they
-        do not): fixed once the model is built, so checked once, not per forward."""
+    def _check_structure(self) -> str | None:
+        """Why the layer's configuration or module types rule the fused path out (None when
+        they do not)."""
         cfg = self.config
         if cfg.normalization != "RMSNorm":
             return f"normalization is {cfg.normalization}, the fused op is RMSNorm"
@@ -116,15 +115,20 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             getattr(self.self_attention, "linear_qkv", None),
             getattr(self.self_attention, "linear_proj", None),
         ]
-        if moe.is_moe(self.mlp):
-            reason = moe.unsupported_reason(self.mlp)
-            if reason is not None:
-                return reason
-        else:
+        if not moe.is_moe(self.mlp):
             linears += [getattr(self.mlp, name, None) for name in ("linear_fc1", "linear_fc2")]
         if not all(isinstance(m, WovenLinearMixin) for m in linears):
             return "the attention/MLP linears are not TokenWeave linears"
         return None
+
+    def _structure_reason(self) -> str | None:
+        """_check_structure's answer, computed at the first forward and kept: the model's
+        configuration and module types do not change once it is built, and asking every forward
+        is host time per layer. (Kept by hand, not as a cached_property: an AttributeError
+        inside a property of an nn.Module surfaces as a missing attribute.)"""
+        if "_structure_checked" not in self.__dict__:
+            self.__dict__["_structure_checked"] = (self._check_structure(),)
+        return self.__dict__["_structure_checked"][0]
 
     def _unsupported_reason(self, hidden_states: torch.Tensor) -> str | None:
         """Why the fused path cannot run this call (None when it can)."""
@@ -132,8 +136,13 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return "tensor-parallel size is 1"
         if torch.is_grad_enabled():
             return "gradients are enabled (TokenWeave is an inference schedule)"
-        if self._structure_reason is not None:
-            return self._structure_reason
+        structure = self._structure_reason()
+        if structure is not None:
+            return structure
+        if moe.is_moe(self.mlp):  # per call: Megatron's engines switch the experts' padding
+            reason = moe.unsupported_reason(self.mlp)  # between prefill and decode steps
+            if reason is not None:
+                return reason
         if hidden_states.dtype not in SUPPORTED_DTYPES:
             return f"dtype {hidden_states.dtype} is not supported"
         if hidden_states.dtype not in KERNEL_DTYPES and hidden_states.is_cuda:

@@ -1,6 +1,7 @@
 """The CUTLASS benchmark reference's plumbing without a GPU (bench/cutlass_gemm.py): one
 translation unit per configuration plus the binding, rewritten only when their text changes;
-an unknown configuration and a machine that cannot build it are clear errors."""
+an unknown configuration, a machine without an sm_90 GPU and an installation without the
+header are clear errors."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def test_one_translation_unit_per_configuration_rewritten_only_when_changed(tmp_
     stamps = {p: (tmp_path / p).stat().st_mtime_ns for p in names}
     cutlass_gemm._sources(tmp_path)
     assert stamps == {p: (tmp_path / p).stat().st_mtime_ns for p in names}
+    changed = next(iter(cutlass_gemm.CONFIGS)) + ".cu"
+    (tmp_path / changed).write_text("// an older version\n")
+    stamps[changed] = (tmp_path / changed).stat().st_mtime_ns
+    cutlass_gemm._sources(tmp_path)
+    assert "TOKENWEAVE_CUTLASS_GEMM" in (tmp_path / changed).read_text()
+    assert {p for p in names if (tmp_path / p).stat().st_mtime_ns != stamps[p]} == {changed}
 
 
 def test_cluster_shapes_cover_one_cta_and_pairs_along_each_dimension():
@@ -36,6 +43,15 @@ def test_unknown_configuration_is_a_value_error():
         cutlass_gemm.gemm("coop_64x64_c4x4")
 
 
-def test_without_a_gpu_loading_says_why():
+def test_without_a_gpu_loading_says_why(monkeypatch):
+    monkeypatch.setattr(cutlass_gemm.torch.cuda, "is_available", lambda: False)
     with pytest.raises(cutlass_gemm.CutlassUnavailableError, match="sm_90"):
+        cutlass_gemm.load()
+
+
+def test_without_the_header_loading_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(cutlass_gemm.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cutlass_gemm.torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(cutlass_gemm, "HEADER", tmp_path / "missing.cuh")
+    with pytest.raises(cutlass_gemm.CutlassUnavailableError, match="source checkout"):
         cutlass_gemm.load()

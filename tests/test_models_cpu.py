@@ -157,6 +157,40 @@ def test_moe_policy_names_what_it_cannot_weave():
     assert "expert parallelism" in moe.unsupported_reason(layer(allgather))
 
 
+def test_the_layer_checks_its_structure_once_and_the_experts_padding_every_call(monkeypatch):
+    """Megatron's engines switch the experts' padding (dispatcher drop-and-pad, capacity factor)
+    between prefill and decode steps: the layer must ask the MoE layer on every call, while its
+    configuration and module types are checked once."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_tokenweave import layer as layer_module
+    from megatron_tokenweave import moe
+
+    Layer = layer_module.TokenWeaveTransformerLayer
+    dispatcher = object.__new__(MoEAlltoAllTokenDispatcher)
+    dispatcher.ep_size, dispatcher.drop_and_pad = 1, False
+    config = SimpleNamespace(moe_expert_capacity_factor=4.0, moe_latent_size=None,
+                             moe_pad_expert_input_to_capacity=True, num_moe_experts=8,
+                             moe_router_topk=2, expert_tensor_parallel_size=None,
+                             tensor_model_parallel_size=2)
+    mlp = SimpleNamespace(config=config, token_dispatcher=dispatcher, use_shared_expert=False)
+    monkeypatch.setattr(moe, "is_moe", lambda m: m is mlp)
+    checks = []
+    fake = SimpleNamespace(_tp=(2, 0), mlp=mlp,
+                           _check_structure=lambda: checks.append(1))  # returns None: fine
+    fake._structure_reason = lambda: Layer._structure_reason(fake)
+    x = torch.zeros(3, 1, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert "drop-and-pad" in Layer._unsupported_reason(fake, x)  # a prefill step, unpadded
+        dispatcher.drop_and_pad = True  # a decode step with padded experts
+        assert Layer._unsupported_reason(fake, x) is None
+        dispatcher.drop_and_pad = False
+        assert "drop-and-pad" in Layer._unsupported_reason(fake, x)
+    assert len(checks) == 1, "the structure is checked once"
+
+
 def test_moe_capacity_must_hold_every_token_of_every_call():
     """Megatron's own capacity rule decides per call (each half of a split is a call): the padded
     dispatcher needs exactly one slot per token, the all-gather one at least one; else a clear

@@ -1,4 +1,4 @@
-// A reference for benchmarks, not part of the extension: CUTLASS 3's sm90 GEMM
+// A reference for benchmarks, not part of the extension: CUTLASS's sm90 GEMM (its 3.x API)
 // D[M, N] = A[M, K] @ W[N, K]^T in bf16 (fp32 accumulation), with its tile shape, cluster shape
 // and kernel schedule as template parameters, so the communicating GEMM can be timed against
 // CUTLASS's warp-specialized kernels, TMA multicast across a cluster included.
@@ -8,6 +8,8 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -51,12 +53,25 @@ struct CutlassGemm {
                   int64_t stream_handle) {
     TORCH_CHECK(a.is_cuda() && a.scalar_type() == torch::kBFloat16 && a.dim() == 2 &&
                     a.is_contiguous(), "a: a contiguous bf16 CUDA matrix [M, K]");
-    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
-                    w.size(1) == a.size(1), "w: a contiguous bf16 matrix [N, K]");
-    TORCH_CHECK(d.scalar_type() == torch::kBFloat16 && d.is_contiguous() &&
-                    d.size(0) == a.size(0) && d.size(1) == w.size(0), "d: bf16 [M, N]");
+    TORCH_CHECK(w.is_cuda() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2 &&
+                    w.is_contiguous() && w.size(1) == a.size(1),
+                "w: a contiguous bf16 CUDA matrix [N, K]");
+    TORCH_CHECK(d.is_cuda() && d.scalar_type() == torch::kBFloat16 && d.dim() == 2 &&
+                    d.is_contiguous() && d.size(0) == a.size(0) && d.size(1) == w.size(0),
+                "d: a contiguous bf16 CUDA matrix [M, N]");
+    TORCH_CHECK(w.device() == a.device() && d.device() == a.device(),
+                "a, w and d must be on one GPU");
+    int current = -1;
+    TORCH_CHECK(cudaGetDevice(&current) == cudaSuccess && current == a.device().index(),
+                "the current CUDA device must be the operands' (torch.cuda.device(...))");
+    TORCH_CHECK(a.size(0) > 0 && a.size(0) <= INT32_MAX && w.size(0) <= INT32_MAX,
+                "M must be in 1 .. 2^31 - 1");
     TORCH_CHECK(a.size(1) % kAlign == 0 && w.size(0) % kAlign == 0,
                 "K and N must be multiples of 8");
+    for (const void* p : {a.data_ptr(), w.data_ptr(), d.data_ptr()}) {
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                  "operands must start 16-byte aligned (TMA)");
+    }
     const int m = a.size(0), k = a.size(1), n = w.size(0);
     auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     auto key = std::make_tuple(a.data_ptr(), w.data_ptr(), d.data_ptr(), int64_t(m), int64_t(n),

@@ -1,4 +1,4 @@
-"""CUTLASS 3's sm90 GEMMs as a benchmark reference (`bench gemm_fused --cutlass`): the
+"""CUTLASS's sm90 GEMMs (its 3.x API) as a benchmark reference (`bench gemm_fused --cutlass`): the
 warp-specialized kernels the communicating GEMM could have been built on, in the tile shapes,
 schedules and cluster shapes that matter for its question, whether a cluster whose CTAs share
 operand tiles through TMA multicast (what cuBLAS's kernels use at these shapes) beats one CTA
@@ -6,8 +6,9 @@ per tile on the row-parallel shards.
 
 Built on first use from csrc/bench/cutlass_gemm.cuh (one translation unit per configuration,
 compiled in parallel) into `$TOKENWEAVE_BUILD_DIR/cutlass` (default
-`~/.cache/megatron_tokenweave/cutlass`); needs an sm_90 GPU, nvcc and the `nvidia-cutlass`
-package (its C++ headers). bf16 only, K and N multiples of 8.
+`~/.cache/megatron_tokenweave/cutlass`); needs a source checkout (the header is not
+installed), an sm_90 GPU, nvcc and the `nvidia-cutlass` package (its C++ headers). bf16 only,
+K and N multiples of 8, operands 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ def _headers() -> Path:
     return Path(cutlass_library.__file__).parent / "source"
 
 
+HEADER = Path(__file__).resolve().parents[2] / "csrc" / "bench" / "cutlass_gemm.cuh"
+
+
 def _sources(build: Path) -> list[str]:
     """One translation unit per configuration and the binding, written into `build` (rewritten
     only when their text changes, so a rebuild compiles only what changed)."""
-    header = Path(__file__).resolve().parents[2] / "csrc" / "bench" / "cutlass_gemm.cuh"
     texts = {}
     for name, (schedule, (m, n), (cm, cn)) in CONFIGS.items():
         mainloop, epilogue = _SCHEDULES[schedule]
         texts[f"{name}.cu"] = (
-            f'#include "{header}"\n'
+            f'#include "{HEADER}"\n'
             f"using Tile = cute::Shape<cute::Int<{m}>, cute::Int<{n}>, cute::Int<64>>;\n"
             f"using Cluster = cute::Shape<cute::Int<{cm}>, cute::Int<{cn}>, cute::Int<1>>;\n"
             f"TOKENWEAVE_CUTLASS_GEMM({name}, Tile, Cluster, {mainloop}, {epilogue})\n")
@@ -84,6 +87,9 @@ def load(verbose: bool = False) -> ModuleType:
         return _module
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise CutlassUnavailableError("the CUTLASS reference is built for sm_90 GPUs")
+    if not HEADER.is_file():
+        raise CutlassUnavailableError(f"the CUTLASS reference's header {HEADER} is not here "
+                                      "(it ships with the source checkout, not the package)")
     from torch.utils.cpp_extension import load as build_extension
 
     source = _headers()
@@ -106,6 +112,7 @@ def gemm(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None
     fn = getattr(load(), name)
 
     def run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-        fn(x, weight, out, torch.cuda.current_stream(x.device).cuda_stream)
+        with torch.cuda.device(x.device):
+            fn(x, weight, out, torch.cuda.current_stream(x.device).cuda_stream)
 
     return run

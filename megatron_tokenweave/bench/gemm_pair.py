@@ -99,10 +99,11 @@ class Pair:
         n = self.n
         halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
             Half(0, n),)
+        ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
         woven_linear(self.comm, self.layout, self.x.view(self.chunks, n, -1), self.w, None,
                      halves, self.residual, self.norm, self.residual_out, self.normed(),
-                     self.side, gemm=gemm, ctas=self.sms - (CTAS_BESIDE if split else 0),
-                     tiles=tiles, release=release, validate=False)
+                     self.side, gemm=gemm, ctas=ctas, tiles=tiles, release=release,
+                     validate=False)
 
     def check(self) -> list[str]:
         """Run every plan once; the names of those whose outputs differ from cublas_nccl's."""
@@ -150,6 +151,8 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
             taken.append(seg)
         else:
             gemm_into(h.of(x), weight, part)
+            if bias is not None:
+                part.add_(bias)
         rows = slice(h.offset, h.offset + h.rows)
         args = (part, residual[rows], norm, EPS, residual_out[rows],
                 h.of(normed) if normed is not None else None, layout)

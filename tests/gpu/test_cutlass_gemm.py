@@ -44,6 +44,13 @@ def test_bad_operands_are_a_python_error():
     w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="bf16"):
         run(x.half(), w, torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16))
+    out = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"\[N, K\]"):
-        run(x, w[:, :512].contiguous(), torch.empty(64, 4096, device="cuda",
-                                                    dtype=torch.bfloat16))
+        run(x, w[:, :512].contiguous(), out)
+    with pytest.raises(RuntimeError, match=r"CUDA matrix \[N, K\]"):
+        run(x, w.cpu(), out)
+    with pytest.raises(RuntimeError, match=r"\[M, N\]"):
+        run(x, w, out.view(64, 64, 64))
+    shifted = torch.empty(64 * 1024 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(64, 1024)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        run(shifted, w, out)
