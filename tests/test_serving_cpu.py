@@ -18,7 +18,6 @@ from _dist import build_model, randomize_norms_, record_fused_calls, run_ranks, 
 from _serving import arm_engine_fault, check_server_answers, serve_and_query
 
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.launch import free_port
 from megatron_tokenweave.models import SHAPES
 
 SHAPE = SHAPES["tiny"]  # vocab 256: every generated id is a byte
@@ -48,7 +47,7 @@ def _megatron_assertion_then_greedy(engine) -> tuple[str, list[list[int]]]:
     return error, generated_tokens(again)
 
 
-def _serving_worker(rank: int, world: int, ports: list[int]) -> dict:
+def _serving_worker(rank: int, world: int) -> dict:
     from megatron_tokenweave.cpu_compat import cpu_inference_scope
     from megatron_tokenweave.serving.engines import generated_tokens, greedy, static_engine
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
@@ -69,15 +68,15 @@ def _serving_worker(rank: int, world: int, ports: list[int]) -> dict:
                 requests = engine.generate(prompts=PROMPTS, sampling_params=greedy(NEW_TOKENS))
             out[name] = dict(tokens=generated_tokens(requests),
                              text=[r.generated_text for r in requests], calls=list(calls))
-            out[name]["http"] = serve_and_query(engine, ports[name == "tokenweave"], PROMPTS,
-                                                NEW_TOKENS, MAX_BATCH, MAX_SEQ)
+            out[name]["http"] = serve_and_query(engine, 0, PROMPTS, NEW_TOKENS, MAX_BATCH,
+                                                MAX_SEQ)  # port 0: the system picks one
             out[name]["after_assertion"] = _megatron_assertion_then_greedy(engine)
     return out
 
 
 @pytest.fixture(scope="module")
 def per_rank():
-    return run_ranks(_serving_worker, [free_port(), free_port()])
+    return run_ranks(_serving_worker)
 
 
 def test_static_engine_greedy_tokens_match_stock(per_rank):
@@ -358,7 +357,7 @@ def test_dynamic_engine_cuda_graph_config(monkeypatch):
         dynamic_llm(Model(), None, 64, 2, cuda_graphs=4)
 
 
-def _kernel_failure_stops_the_server(rank: int, world: int, port: int) -> str:
+def _kernel_failure_stops_the_server(rank: int, world: int) -> str:
     """A TokenWeave model served on every rank whose communicator check (watch_failures) reports
     a kernel failure on the request with the POISON byte, as every rank does after a peer's
     kernel gave up (the check is collective). Rank 0 sends that request; then every rank's
@@ -392,7 +391,7 @@ def _kernel_failure_stops_the_server(rank: int, world: int, port: int) -> str:
     engines.kernels_live, engines.raise_if_any_failed = (lambda: True), failed
     with cpu_inference_scope():
         server = FlaskTextServer(engines.static_engine(model, ByteTokenizer(SHAPE.vocab),
-                                                       MAX_BATCH, MAX_SEQ), port=port)
+                                                       MAX_BATCH, MAX_SEQ), port=0)
         if rank == 0:  # the port is bound: the request waits until the server runs
 
             def poisoned_request_then_stop() -> None:
@@ -413,6 +412,6 @@ def _kernel_failure_stops_the_server(rank: int, world: int, port: int) -> str:
 def test_a_kernel_failure_stops_every_rank_of_the_flask_server():
     """Not a request error: every rank leaves serve_forever with the KernelFailure (the
     launcher then reports it and stops the job) instead of answering later requests."""
-    results = run_ranks(_kernel_failure_stops_the_server, free_port())
+    results = run_ranks(_kernel_failure_stops_the_server)
     for rank, result in enumerate(results):
         assert result.startswith("raised: tokenweave kernel on rank 1"), (rank, result)

@@ -123,6 +123,8 @@ class FlaskTextServer:
     requests in flight, releases the followers and closes the port; `serve_forever()` does both
     around a wait for `launch.stop_event()` (SIGTERM, SIGINT). Other ranks: `serve_forever()`
     follows rank 0 until it shuts down. `limits` default to the engine's (`static_limits`).
+    `port=0` lets the system choose a free port (rank 0's `port` and `url` then name it), with
+    no window in which another socket can take a port picked beforehand.
     """
 
     def __init__(self, engine: Any, host: str = "127.0.0.1", port: int = 5000,
@@ -178,6 +180,7 @@ class FlaskTextServer:
         # Bound here: werkzeug answers a port in use with sys.exit(1), hiding the reason.
         listener = socket.create_server((self.host, self.port),
                                         family=select_address_family(self.host, self.port))
+        self.port = listener.getsockname()[1]  # port 0: the one the system chose (`url`)
         try:
             return make_server(self.host, self.port, app, threaded=True, fd=listener.fileno())
         finally:
