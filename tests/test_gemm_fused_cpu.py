@@ -19,6 +19,7 @@ import pytest
 import torch
 from _dist import run_ranks
 
+from megatron_tokenweave.bench.gemm_pair import even_halves
 from megatron_tokenweave.communicator import Communicator, WorkspaceCapacityError
 from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.segments import (
@@ -50,14 +51,10 @@ EPS = 1e-5
 OUTPUTS = ((4096, 1024, 132), (8192, 3584, 116), (5120, 3584, 8))
 
 
-def _halves(n: int, split: bool) -> tuple[Half, ...]:
-    return (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (Half(0, n),)
-
-
 def _calls(layout: Layout, world: int, n: int, split: bool, hidden: int = 4096, k: int = 1024,
            ctas: int = 132):
     """(half, segments) of each call of one woven forward with n rows a chunk."""
-    halves = _halves(n, split)
+    halves = even_halves(n, split)
     return [(h, half_segments(layout, world, halves, i, hidden=hidden, k=k, ctas=ctas,
                               first=h.offset, chunk_stride=n))
             for i, h in enumerate(halves)]

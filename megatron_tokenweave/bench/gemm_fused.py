@@ -12,7 +12,7 @@ the tiles, ops/segments.release_for) and `tokenweave_release_gemm` / `_consumer`
 release forced: the GEMM's CTAs fence and store flags after their last tile, or the GEMM only
 stores tiles and its consumer publishes them, which costs the consumer a flag store per rank,
 timed with the consumer on two GPUs). `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>`
-rows (bench/cutlass_gemm.py: CUTLASS 3's warp-specialized sm90 kernels, clusters of one CTA or
+rows (bench/cutlass_gemm.py: CUTLASS's warp-specialized sm90 kernels, clusters of one CTA or
 of two sharing operand tiles through TMA multicast), the plot a second row: per cluster shape,
 the best configuration's speed relative to cuBLAS, median over the shards. Replicated layout
 (what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS

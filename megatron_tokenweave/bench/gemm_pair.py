@@ -50,7 +50,7 @@ class Pair:
                  ) -> None:
         world, rank = dist.get_world_size(comm.group), dist.get_rank(comm.group)
         hidden, dtype, dev = comm.hidden, comm.dtype, comm.device
-        self.comm, self.layout, self.world, self.rank = comm, layout, world, rank
+        self.comm, self.layout = comm, layout
         self.tiles, self.release = tiles, release
         sp = layout is Layout.SEQUENCE_PARALLEL
         self.chunks = world if sp else 1
@@ -68,7 +68,6 @@ class Pair:
         self.residual_out = torch.empty(self.n, hidden, device=dev, dtype=dtype)
         self.partial_out = torch.empty(rows, hidden, device=dev, dtype=dtype)  # cublas_nccl's
         self.side = SideStream(dev)
-        self.sms = comm.agreement.sms
 
     def normed(self) -> torch.Tensor:
         return self.comm.normed[:self.chunks * self.n].view(self.chunks, self.n, -1)
@@ -96,13 +95,9 @@ class Pair:
 
     def _run(self, split: bool, gemm: bool, tiles: GemmTiles | None = None,
              release: str | None = None) -> None:
-        n = self.n
-        halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
-            Half(0, n),)
-        ctas = self.sms - (CTAS_BESIDE if len(halves) > 1 else 0)
-        woven_linear(self.comm, self.layout, self.x.view(self.chunks, n, -1), self.w, None,
-                     halves, self.residual, self.norm, self.residual_out, self.normed(),
-                     self.side, gemm=gemm, ctas=ctas, tiles=tiles, release=release,
+        woven_linear(self.comm, self.layout, self.x.view(self.chunks, self.n, -1), self.w, None,
+                     even_halves(self.n, split), self.residual, self.norm, self.residual_out,
+                     self.normed(), self.side, gemm=gemm, tiles=tiles, release=release,
                      validate=False)
 
     def check(self) -> list[str]:
@@ -123,20 +118,28 @@ class Pair:
         return bad
 
 
+def even_halves(n: int, split: bool) -> tuple[Half, ...]:
+    """n rows a chunk in two halves of n // 2 and the rest (split, n >= 2), else one."""
+    return (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (Half(0, n),)
+
+
 def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None, halves: tuple[Half, ...], residual: torch.Tensor,
                  norm: torch.Tensor | None, residual_out: torch.Tensor,
-                 normed: torch.Tensor | None, side: SideStream, *, gemm: bool, ctas: int,
-                 tiles: GemmTiles | None = None, release: str | None = None,
-                 validate: bool = True) -> list[Segments]:
+                 normed: torch.Tensor | None, side: SideStream, *, gemm: bool,
+                 ctas: int | None = None, tiles: GemmTiles | None = None,
+                 release: str | None = None, validate: bool = True) -> list[Segments]:
     """One row-parallel linear and its fused op as the woven layer runs them, alone: per half
     its GEMM over rows `halves[i]` of every chunk of x [chunks, n, K] (gemm: the communicating
-    GEMM on `ctas` CTAs, `tiles` and `release` forced, else the policy's; else torch.matmul
-    into the communicator's buffer), then its op (on `side` when split, beside the next half's
-    GEMM); residual, residual_out [n, H], normed [chunks, n, H] (None without a norm). The
-    segments each communicating GEMM took, in half order."""
+    GEMM on `ctas` CTAs, default the agreed SMs less CTAS_BESIDE when split, `tiles` and
+    `release` forced, else the policy's; else torch.matmul into the communicator's buffer),
+    then its op (on `side` when split, beside the next half's GEMM); residual, residual_out
+    [n, H], normed [chunks, n, H] (None without a norm). The segments each communicating GEMM
+    took, in half order."""
     chunks, world = x.shape[0], dist.get_world_size(comm.group)
     split = len(halves) > 1
+    if ctas is None:
+        ctas = comm.agreement.sms - (CTAS_BESIDE if split else 0)
     taken, pending = [], []
     for i, h in enumerate(halves):
         part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)]

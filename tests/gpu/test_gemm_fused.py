@@ -71,8 +71,9 @@ class Case:
     """One call (or split pair) of the mechanism on this rank, with its expectation."""
 
     def __init__(self, comm, layout, n, k, dtype, seed, bias_on, norm_on, split):
+        from megatron_tokenweave.bench.gemm_pair import even_halves
         from megatron_tokenweave.ops.validate import Layout
-        from megatron_tokenweave.schedule import Half, SideStream
+        from megatron_tokenweave.schedule import SideStream
 
         world, rank, dev = dist.get_world_size(comm.group), dist.get_rank(comm.group), comm.device
         hidden = comm.hidden
@@ -106,8 +107,7 @@ class Case:
             self.normed_want = y * rstd * self.norm.float()
             self.normed_slack = self.slack * rstd * self.norm.float().abs() + _ulp(
                 self.normed_want, dtype)
-        self.halves = (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (
-            Half(0, n),)
+        self.halves = even_halves(n, split)
         self.residual = self.residual_all.view(self.chunks, n, hidden)[rank if self.sp else 0]
         self.residual_out = torch.empty(n, hidden, dtype=dtype, device=dev)
         self.normed = comm.normed[:rows].view(self.chunks, n, hidden)
@@ -121,15 +121,13 @@ class Case:
         gemm_ctas CTAs, default the SMs left beside the consumer; `release` forced, else the
         policy's), then its consumer (on the side stream when split, beside the next half's
         GEMM)."""
-        from megatron_tokenweave.bench.gemm_pair import CTAS_BESIDE, woven_linear
+        from megatron_tokenweave.bench.gemm_pair import woven_linear
 
-        split = len(self.halves) > 1
-        ctas = gemm_ctas or self.comm.agreement.sms - (CTAS_BESIDE if split else 0)
         taken = woven_linear(
             self.comm, self.layout, self.x.view(self.chunks, self.n, -1), self.w,
             self.bias if self.rank == 0 else None, self.halves, self.residual, self.norm,
             self.residual_out, self.normed if self.norm is not None else None, self.side,
-            gemm=True, ctas=ctas, release=release)
+            gemm=True, ctas=gemm_ctas, release=release)
         self.tiles.update(seg.tiles for seg in taken)
         self.last_releases = {seg.release for seg in taken}
         self.releases.update(self.last_releases)
