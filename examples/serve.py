@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec", choices=["tokenweave", "stock"], default="tokenweave",
                         help="layer spec of the served model (same weights either way)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    parser.add_argument("--port", type=int, default=5000, help="HTTP port")
+    parser.add_argument("--port", type=int, default=5000,
+                        help="HTTP port; 0 (flask): the system picks, the printed URL names it")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size")
@@ -111,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, rank_fn: Callable = run) -> None:
     """Serve until SIGINT/SIGTERM (then one line, exit 0); a failed rank exits 1 naming it."""
     args = parser().parse_args(argv)
+    if args.server == "openai" and args.port == 0:
+        raise SystemExit(f"{PROG}: --server openai needs a port (Megatron's frontends bind it "
+                         f"in forked processes that do not report a chosen one)")
     if args.server == "openai":
         from megatron_tokenweave.serving.engines import dynamic_engine_problem
 

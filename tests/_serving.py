@@ -5,8 +5,10 @@ an engine fault armed, see `arm_engine_fault`)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,7 @@ POISON = 7  # a prompt with this byte (BEL) fails inside the engine: arm_engine_
 SOAK_S = 90.0  # a soak's length
 SOAK_REQUESTS = 200  # to the soaked server, the final round of valid requests included
 Request = tuple[str, str, bytes]  # (method, path, raw body)
+_SERVING = re.compile(r"^serving the .* on http://127\.0\.0\.1:(\d+) ", re.MULTILINE)
 
 
 def http(url: str, method: str, body: bytes | None,
@@ -250,13 +253,17 @@ def _serve_armed(rank: int, world: int, args: Any) -> None:
 class ServerProcess:
     """examples/serve.py's launcher (SIGINT/SIGTERM handling, one line on a stop) serving a model
     armed with arm_engine_fault, in its own session like a command started from a shell; its
-    output goes to `log_dir`/server-PORT.{out,err}."""
+    output goes to `log_dir`/server-N.{out,err}. Port 0 (the Flask server): the system picks,
+    and `wait_ready` reads the port from the launcher's "serving ... on URL" line."""
+
+    _started = itertools.count()
 
     def __init__(self, port: int, log_dir: str, *options: str,
                  env: dict[str, str] | None = None) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.paths = [os.path.join(log_dir, f"server-{port}.{ext}") for ext in ("out", "err")]
+        n = next(self._started)
+        self.paths = [os.path.join(log_dir, f"server-{n}.{ext}") for ext in ("out", "err")]
         with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--port", str(port), *options],
@@ -284,6 +291,12 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited ({self.proc.returncode}):\n"
                                      f"{self.output()}")
+            if self.port == 0 and (bound := _SERVING.search(self.output()[0])):
+                self.port = int(bound.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
+            if self.port == 0:
+                time.sleep(0.5)
+                continue
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return

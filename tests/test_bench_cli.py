@@ -73,3 +73,17 @@ def test_tuner_refuses_a_partial_custom_shape(capsys):
         tune.main(["--hidden", "1024", "--ffn", "4096"])
     assert exit_.value.code == 2
     assert "--heads and --kv-groups" in capsys.readouterr().err
+
+
+def test_interleaved_timing_gives_every_candidate_every_place():
+    """interleaved_medians' order: over n iterations each of n candidates runs once in each
+    place, and each iteration runs every candidate once."""
+    from megatron_tokenweave.bench.timing import rotation
+
+    names = ["cublas", "tokenweave", "te", "cutlass"]
+    orders = [rotation(names, i) for i in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for place in range(len(names)):
+        assert sorted(order[place] for order in orders) == sorted(names)
+    assert rotation(names, len(names)) == names
+    assert rotation([], 3) == []

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 from _serving import (
+    REPO,
     SOAK_REQUESTS,
     SOAK_S,
     ServerProcess,
@@ -26,8 +29,6 @@ from _serving import (
     engine_fault_request,
     http,
 )
-
-from megatron_tokenweave.launch import free_port
 
 STOP_LIMIT_S = 5.0  # every rank gone and the port free within this after the signal
 MAX_BATCH, MAX_SEQ, WORKSPACE = 4, 96, 128
@@ -70,8 +71,8 @@ def soak(tmp_path_factory) -> dict:
     """Start a stock and a TokenWeave server, take the stock replies to VALID, stop the stock
     server with SIGINT, soak the TokenWeave server, send VALID once more, stop it with SIGTERM."""
     logs = str(tmp_path_factory.mktemp("soak"))
-    stock = ServerProcess(free_port(), logs, "--spec", "stock", *SERVER_OPTIONS)
-    woven = ServerProcess(free_port(), logs, "--spec", "tokenweave", *SERVER_OPTIONS,
+    stock = ServerProcess(0, logs, "--spec", "stock", *SERVER_OPTIONS)
+    woven = ServerProcess(0, logs, "--spec", "tokenweave", *SERVER_OPTIONS,
                           env={"TOKENWEAVE_MAX_TOKENS": str(WORKSPACE)})
     try:
         stock.wait_ready()
@@ -127,3 +128,21 @@ def test_soak_servers_stop_cleanly(soak):
         assert server.proc.returncode == 0, (name, server.proc.returncode, err[-2000:])
         assert out.splitlines() == [f"serve.py: stopped by {name}; all 2 ranks exited"], out
         assert "Traceback" not in err and "Stack (most recent call first)" not in err, err
+
+
+def test_soak_servers_bound_ports_the_system_chose(soak):
+    """Port 0: each launcher printed the port the system gave its Flask server, and served on
+    it (no port picked beforehand that another socket could take first)."""
+    stock, woven = (server for server, _, _ in soak["stops"])
+    assert stock.port > 0 and woven.port > 0 and stock.port != woven.port
+    assert f"on {woven.url} (/api, /completions)" in woven.output()[0]
+
+
+def test_openai_server_refuses_port_zero():
+    """Megatron's OpenAI frontends bind in forked processes and report no chosen port, so
+    examples/serve.py refuses --port 0 there, before starting any rank."""
+    done = subprocess.run([sys.executable, "examples/serve.py", "--server", "openai",
+                           "--port", "0"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "--server openai needs a port" in done.stderr, done.stderr

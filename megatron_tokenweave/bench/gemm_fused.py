@@ -149,7 +149,7 @@ def _plot(result: dict, path: str) -> None:
                 ax.plot(lengths, ratio, marker="o", label=f"{gemm} TP={tp}")
         ax.set_ylabel("cuBLAS time / communicating GEMM time")
         ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
-    for ax, model in zip(axes[1] if clusters else (), models, strict=True):
+    for ax, model in zip(axes[1] if clusters else [], models if clusters else [], strict=True):
         lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
         shards = sorted({(r["gemm"], r["tp"]) for r in rows if r["model"] == model})
 

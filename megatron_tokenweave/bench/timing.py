@@ -27,14 +27,17 @@ def interleaved_medians(
 ) -> dict[str, float]:
     """Median microseconds of each candidate; candidate(i) gets the iteration index so it can
     rotate its inputs. Every iteration runs every candidate once, in turn, so clock drift and
-    thermal state hit them alike."""
+    thermal state hit them alike, starting one candidate later each time (`rotation`): what
+    the previous candidate left (L2 contents, clocks after the host's wait) moved a 10-25 us
+    GEMM's ratio by up to 1 % by its place in a fixed order (one H200, docs/kernel.md)."""
     for i in range(warmup):
         for fn in candidates.values():
             fn(i)
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for i in range(iters):
-        for name, fn in candidates.items():
+        for name in rotation(list(candidates), i):
+            fn = candidates[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(i)
@@ -42,3 +45,10 @@ def interleaved_medians(
             end.synchronize()
             samples[name].append(start.elapsed_time(end) * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def rotation(names: list[str], i: int) -> list[str]:
+    """Iteration i's order: `names` begun at entry i mod len(names), so over len(names)
+    iterations every candidate runs once in every place."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
