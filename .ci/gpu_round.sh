@@ -68,7 +68,7 @@ case "$phase" in
   gemm)
     TAIL=6 step gemm_protocol 420 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py
     TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
-    TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused \
+    TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused --passes 3 \
       --out "$out/gemm_fused_1gpu.json"
     ;;
   gemm_cutlass)

@@ -363,21 +363,24 @@ def test_gemm_consumer_without_its_gemm_raises(gemm_comm):
                                     comm="gemm")
 
 
+@pytest.mark.parametrize("passes", [None, 3], ids=["one_pass", "three_passes"])
 @pytest.mark.parametrize("cutlass", [False, True], ids=["plain", "cutlass"])
-def test_gemm_fused_plot_draws_one_or_several_models(tmp_path, cutlass):
+def test_gemm_fused_plot_draws_one_or_several_models(tmp_path, cutlass, passes):
     """bench gemm_fused's plot, for one model or two, with and without CUTLASS rows (the second
-    row of panels), from a result of the benchmark's schema (random times)."""
+    row of panels), from rows without a pass (one pass, as results before --passes) or with
+    three, of the benchmark's schema (random times)."""
     pytest.importorskip("matplotlib")
     from megatron_tokenweave.bench import gemm_fused
 
     impls = ["cublas", "tokenweave"] + (["cutlass_pingpong_128x128_c1x1",
                                           "cutlass_coop_128x256_c2x1"] if cutlass else [])
+    tags = [{}] if passes is None else [{"pass": p} for p in range(passes)]
     gen = torch.Generator().manual_seed(0)
     for models in (["llama-3-8b"], ["llama-3.3-70b", "llama-3-8b"]):
         rows = [dict(model=m, gemm=g, tp=tp, tokens=t, impl=i,
-                     us=10.0 + torch.rand((), generator=gen).item())
+                     us=10.0 + torch.rand((), generator=gen).item(), **tag)
                 for m in models for g in gemm_fused.GEMMS for tp in (2, 8)
-                for t in (1024, 4096) for i in impls]
-        path = tmp_path / f"{len(models)}_{cutlass}.png"
+                for t in (1024, 4096) for i in impls for tag in tags]
+        path = tmp_path / f"{len(models)}_{cutlass}_{passes}.png"
         gemm_fused._plot(dict(gpu="H200", rows=rows), str(path))
         assert path.stat().st_size > 0

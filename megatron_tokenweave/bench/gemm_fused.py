@@ -18,7 +18,9 @@ the best configuration's speed relative to cuBLAS, median over the shards. Repli
 (what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS
 calls back to back on as many inputs (a graph of a single call also times its replay's launch,
 microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), bf16, medians
-per call. The tokenweave and CUTLASS rows are checked against cuBLAS before timing. The
+per call. `--passes N` times the same graphs N times (rows carry `pass`): one pass resolves a
+10-25 us GEMM's ratio to about 2-3 % (docs/kernel.md), so the plot draws the median over passes
+and their range. The tokenweave and CUTLASS rows are checked against cuBLAS before timing. The
 reduction that consumes the tiles needs peers: its timing is part of the 2-GPU kernel benchmark.
 """
 
@@ -54,8 +56,9 @@ def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor],
     return linear
 
 
-def measure(model: str, tp: int, tokens: int, iters: int, cutlass: bool = False) -> list[dict]:
-    """Rows of one (model, TP, tokens): every GEMM x impl, in microseconds."""
+def measure(model: str, tp: int, tokens: int, iters: int, cutlass: bool = False,
+            passes: int = 1) -> list[dict]:
+    """Rows of one (model, TP, tokens): every GEMM x impl x pass, in microseconds."""
     from megatron_tokenweave.kernels.inbox import GemmInbox
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
@@ -87,10 +90,11 @@ def measure(model: str, tp: int, tokens: int, iters: int, cutlass: bool = False)
         with torch.no_grad():
             graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
                       for impl, fn in impls.items()}
-        us = interleaved_medians({i: (lambda _, g=g: g.replay()) for i, g in graphs.items()},
-                                 iters=iters)
-        rows += [dict(model=model, gemm=name, tp=tp, tokens=tokens, impl=impl,
-                      us=round(t / CALLS, 2)) for impl, t in us.items()]
+        for p in range(passes):
+            us = interleaved_medians({i: (lambda _, g=g: g.replay()) for i, g in graphs.items()},
+                                     iters=iters)
+            rows += [{"model": model, "gemm": name, "tp": tp, "tokens": tokens, "impl": impl,
+                      "us": round(t / CALLS, 2), "pass": p} for impl, t in us.items()]
     inbox.close()
     return rows
 
@@ -134,7 +138,9 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r["impl"]): r["us"] for r in rows}
+    by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r["impl"], r.get("pass", 0)): r["us"]
+          for r in rows}
+    passes = sorted({r.get("pass", 0) for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
     clusters = sorted({r["impl"].rsplit("_", 1)[1] for r in rows
                        if r["impl"].startswith("cutlass_")})
@@ -144,26 +150,33 @@ def _plot(result: dict, path: str) -> None:
         lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
         for gemm in GEMMS:
             for tp in sorted({r["tp"] for r in rows}):
-                ratio = [by[(model, gemm, tp, t, "cublas")] / by[(model, gemm, tp, t, "tokenweave")]
-                         for t in lengths]
-                ax.plot(lengths, ratio, marker="o", label=f"{gemm} TP={tp}")
-        ax.set_ylabel("cuBLAS time / communicating GEMM time")
+                ratios = [[by[(model, gemm, tp, t, "cublas", p)]
+                           / by[(model, gemm, tp, t, "tokenweave", p)] for p in passes]
+                          for t in lengths]
+                mid = [statistics.median(r) for r in ratios]
+                spread = [[m - min(r) for m, r in zip(mid, ratios, strict=True)],
+                          [max(r) - m for m, r in zip(mid, ratios, strict=True)]]
+                ax.errorbar(lengths, mid, yerr=spread, marker="o", capsize=3,
+                            label=f"{gemm} TP={tp}")
+        ax.set_ylabel("cuBLAS time / communicating GEMM time"
+                      + (f" (median, range of {len(passes)} passes)" if len(passes) > 1 else ""))
         ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
     for ax, model in zip(axes[1] if clusters else [], models if clusters else [], strict=True):
         lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
         shards = sorted({(r["gemm"], r["tp"]) for r in rows if r["model"] == model})
 
-        def median_ratio(pick, t, model=model, shards=shards):
-            return statistics.median(by[(model, g, tp, t, "cublas")] / pick(model, g, tp, t)
-                                     for g, tp in shards)
+        def median_ratio(impls, t, model=model, shards=shards):
+            """cuBLAS time / the fastest of `impls`, median over shards and passes."""
+            return statistics.median(
+                by[(model, g, tp, t, "cublas", p)] / min(by[(model, g, tp, t, i, p)] for i in impls)
+                for g, tp in shards for p in passes)
 
         for cluster in clusters:
             impls = {r["impl"] for r in rows if r["impl"].endswith("_" + cluster)}
-            ax.plot(lengths, [median_ratio(lambda *key, impls=impls: min(
-                by[(*key, i)] for i in impls), t) for t in lengths], marker="o",
-                label=f"CUTLASS, best of cluster {cluster[1:]}")
-        ax.plot(lengths, [median_ratio(lambda *key: by[(*key, "tokenweave")], t)
-                          for t in lengths], marker="s", color="black", label="tokenweave")
+            ax.plot(lengths, [median_ratio(impls, t) for t in lengths], marker="o",
+                    label=f"CUTLASS, best of cluster {cluster[1:]}")
+        ax.plot(lengths, [median_ratio(["tokenweave"], t) for t in lengths], marker="s",
+                color="black", label="tokenweave")
         ax.set_ylabel("cuBLAS time / GEMM time (median over shards)")
         ax.set_title(f"{model}: CUTLASS cluster shapes", fontsize=9)
     for ax in axes.flat:
@@ -174,6 +187,19 @@ def _plot(result: dict, path: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _summary(us: dict) -> str:
+    """One line of ratios to cuBLAS per GEMM: ours as picked, TE's, each release forced, and
+    CUTLASS's best configuration where timed."""
+    return ", ".join(
+        f"{g} cublas/tokenweave {us[(g, 'cublas')] / us[(g, 'tokenweave')]:.3f}"
+        + (f" te/tokenweave {us[(g, 'te')] / us[(g, 'tokenweave')]:.3f}" if (g, "te") in us
+           else "")
+        + " (release " + " ".join(
+            f"{r} {us[(g, 'cublas')] / us[(g, f'tokenweave_release_{r}')]:.3f}"
+            for r in RELEASES) + ")" + _best_cutlass(us, g)
+        for g in GEMMS)
 
 
 def _best_cutlass(us: dict, gemm: str) -> str:
@@ -194,6 +220,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cutlass", action="store_true",
                         help="also time CUTLASS's sm90 kernels (bench/cutlass_gemm.py; needs the "
                              "nvidia-cutlass package, builds on first use)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="times the same graphs are timed (rows carry `pass`; the spread)")
     add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=30, timed="impl",
                         out="docs/results/gemm_fused_1gpu.json")
     return parser
@@ -216,17 +244,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{model} is a mixture of experts: dense shapes only")
         for tp in args.tp:
             for tokens in args.tokens:
-                got = measure(model, tp, tokens, args.iters, args.cutlass)
+                got = measure(model, tp, tokens, args.iters, args.cutlass, args.passes)
                 rows += got
-                us = {(r["gemm"], r["impl"]): r["us"] for r in got}
-                print(f"{model} TP={tp} {tokens:5d} tokens: " + ", ".join(
-                    f"{g} cublas/tokenweave {us[(g, 'cublas')] / us[(g, 'tokenweave')]:.3f}"
-                    + (f" te/tokenweave {us[(g, 'te')] / us[(g, 'tokenweave')]:.3f}"
-                       if (g, "te") in us else "")
-                    + " (release " + " ".join(
-                        f"{r} {us[(g, 'cublas')] / us[(g, f'tokenweave_release_{r}')]:.3f}"
-                        for r in RELEASES) + ")" + _best_cutlass(us, g)
-                    for g in GEMMS), flush=True)
+                for p in range(args.passes):
+                    us = {(r["gemm"], r["impl"]): r["us"] for r in got if r["pass"] == p}
+                    label = f" pass {p}" if args.passes > 1 else ""
+                    print(f"{model} TP={tp} {tokens:5d} tokens{label}: {_summary(us)}", flush=True)
     write_result("gemm_fused", argv, rows, args.out, _plot)
 
 
