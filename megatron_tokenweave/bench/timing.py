@@ -27,9 +27,9 @@ def interleaved_medians(
 ) -> dict[str, float]:
     """Median microseconds of each candidate; candidate(i) gets the iteration index so it can
     rotate its inputs. Every iteration runs every candidate once, in turn, so clock drift and
-    thermal state hit them alike, starting one candidate later each time (`rotation`): what
-    the previous candidate left (L2 contents, clocks after the host's wait) moved a 10-25 us
-    GEMM's ratio by up to 1 % by its place in a fixed order (one H200, docs/kernel.md)."""
+    thermal state hit them alike, starting one candidate later each time (`rotation`): in a
+    fixed order a 10-25 us GEMM's ratio moved by up to 1 % with its place (one H200,
+    docs/kernel.md; what the previous candidate leaves behind, not told apart)."""
     for i in range(warmup):
         for fn in candidates.values():
             fn(i)
