@@ -31,11 +31,12 @@ import torch.distributed as dist
 
 from megatron_tokenweave.bench import add_sweep_arguments, command_parser
 from megatron_tokenweave.bench.split_cost import layer_gemms
+from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.linears import gemm_into
 from megatron_tokenweave.models import SHAPES
 from megatron_tokenweave.ops.segments import RELEASES, TILES, GemmTiles, Segments, half_segments
 from megatron_tokenweave.ops.validate import Layout
-from megatron_tokenweave.schedule import Half, SideStream
+from megatron_tokenweave.schedule import Half, SideStream, plan_halves
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}
 EPS = 1e-5
@@ -118,9 +119,13 @@ class Pair:
         return bad
 
 
+_UNALIGNED = TokenWeaveConfig(split_align=1)  # halves of n // 2 and the rest
+
+
 def even_halves(n: int, split: bool) -> tuple[Half, ...]:
-    """n rows a chunk in two halves of n // 2 and the rest (split, n >= 2), else one."""
-    return (Half(0, n // 2), Half(n // 2, n - n // 2)) if split and n >= 2 else (Half(0, n),)
+    """n rows a chunk in two halves of n // 2 and the rest (split, n >= 2), else one: the
+    layer's plan_halves without its wave alignment."""
+    return plan_halves(n, _UNALIGNED, split)
 
 
 def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
