@@ -75,15 +75,20 @@ def test_tuner_refuses_a_partial_custom_shape(capsys):
     assert "--heads and --kv-groups" in capsys.readouterr().err
 
 
-def test_interleaved_timing_gives_every_candidate_every_place():
-    """interleaved_medians' order: over n iterations each of n candidates runs once in each
-    place, and each iteration runs every candidate once."""
-    from megatron_tokenweave.bench.timing import rotation
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_interleaved_timing_balances_places_and_predecessors(n):
+    """interleaved_medians' orders: each runs every candidate once; over the cycle each
+    candidate holds every place, and follows every other candidate, equally often."""
+    from collections import Counter
 
-    names = ["cublas", "tokenweave", "te", "cutlass"]
-    orders = [rotation(names, i) for i in range(len(names))]
-    assert all(sorted(order) == sorted(names) for order in orders)
-    for place in range(len(names)):
-        assert sorted(order[place] for order in orders) == sorted(names)
-    assert rotation(names, len(names)) == names
-    assert rotation([], 3) == []
+    from megatron_tokenweave.bench.timing import balanced_orders
+
+    names = [f"impl{i}" for i in range(n)]
+    orders = balanced_orders(names)
+    assert len(orders) == (2 * n if n % 2 else n)
+    assert all(sorted(order) == names for order in orders)
+    places = Counter((place, name) for order in orders for place, name in enumerate(order))
+    assert len(places) == n * n and len(set(places.values())) == 1
+    after = Counter(pair for order in orders for pair in zip(order[:-1], order[1:], strict=True))
+    assert len(after) == n * (n - 1) and len(set(after.values())) <= 1
+    assert balanced_orders([]) == []

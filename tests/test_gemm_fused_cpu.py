@@ -114,19 +114,22 @@ def test_nonempty_blocks_are_the_first_ones_in_owner_order(layout, world):
 @pytest.mark.parametrize("hidden,k,ctas", OUTPUTS)
 def test_tiles_are_pingpong_by_its_rule_else_the_fewest_estimated_tile_times(layout, world,
                                                                             hidden, k, ctas):
-    """The ping-pong kernel where its tiles per CTA reach the threshold of the call's K; else
-    the one-consumer candidate with the least estimate, counting the tiles the segments really
-    have (row_blocks against nonempty_blocks)."""
+    """The ping-pong kernel where its tiles per CTA reach the threshold of the call's K, or
+    where the least estimate is WIDE's and K is long; else the one-consumer candidate with
+    the least estimate, counting the tiles the segments really have (row_blocks against
+    nonempty_blocks)."""
     for rows in range(1, 4097, 7):
         seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas)
         got = seg.tiles
         assert seg.nonempty_blocks(world) == row_blocks(layout, world, rows, got.block_rows)
         per_cta = row_blocks(layout, world, rows, 128) * PINGPONG.col_tiles(hidden) / ctas
         need = PINGPONG_MIN_TILES_SHORT_K if k <= PINGPONG_MAX_K else PINGPONG_MIN_TILES
-        assert (got is PINGPONG) == (per_cta >= need), rows
+        times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
+                 for t in (LARGE, WIDE, SMALL)}
+        least = min(times, key=times.get)
+        in_wides_place = least is WIDE and k > PINGPONG_MAX_K
+        assert (got is PINGPONG) == (per_cta >= need or in_wides_place), rows
         if got is not PINGPONG:
-            times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
-                     for t in (LARGE, WIDE, SMALL)}
             assert times[got] == min(times.values()), rows
 
 
@@ -143,10 +146,14 @@ def test_tiles_of_the_measured_shapes():
     One consumer: Llama-3-8B at 512 tokens takes 64 x 256 tiles (128 x 256 would leave half
     the SMs idle), at 1024 and long K the large ones; Llama-70B at 512 tokens and TP 8 keeps the
     large ones (four owners of 128 rows); a decode-sized call the small ones. Ping-pong: from 3
-    tiles per CTA, and from 2 (1024 tokens of Llama-3-8B) for short K."""
+    tiles per CTA, and from 2 (1024 tokens of Llama-3-8B) for short K; in WIDE's place for long
+    K (Llama-3-8B's fc2 at 512 tokens and TP 2 or 4)."""
     rep = Layout.REPLICATED
     assert tiles_for(rep, 2, 512, 4096, 2048, 132) is WIDE
     assert tiles_for(rep, 4, 512, 4096, 1024, 132) is WIDE
+    assert tiles_for(rep, 8, 512, 4096, 1792, 132) is WIDE
+    assert tiles_for(rep, 2, 512, 4096, 7168, 132) is PINGPONG  # one tile per CTA, long K
+    assert tiles_for(rep, 4, 512, 4096, 3584, 132) is PINGPONG
     assert tiles_for(rep, 2, 1024, 4096, 7168, 132) is LARGE  # 1.9 tiles per CTA, long K
     assert tiles_for(rep, 2, 512, 8192, 4096, 132) is LARGE
     assert tiles_for(rep, 2, 4, 4096, 2048, 132) is SMALL

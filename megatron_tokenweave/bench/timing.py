@@ -26,17 +26,21 @@ def interleaved_medians(
     candidates: dict[str, Callable[[int], object]], iters: int = 20, warmup: int = 5
 ) -> dict[str, float]:
     """Median microseconds of each candidate; candidate(i) gets the iteration index so it can
-    rotate its inputs. Every iteration runs every candidate once, in turn, so clock drift and
-    thermal state hit them alike, starting one candidate later each time (`rotation`): in a
-    fixed order a 10-25 us GEMM's ratio moved by up to 1 % with its place (one H200,
-    docs/kernel.md; what the previous candidate leaves behind, not told apart)."""
+    rotate its inputs. Every iteration runs every candidate once, so clock drift and thermal
+    state hit them alike, in the orders of `balanced_orders` (iters rounded up to whole cycles
+    of them): each candidate runs in every place and right after every other candidate equally
+    often. Why: at 10-25 us GEMMs a candidate's time moved by up to 1.5 % with the candidate
+    timed before it (the same kernel, timed right after cuBLAS and right after itself, one
+    H200, docs/kernel.md), so no fixed order, nor a rotation of one, is fair."""
+    orders = balanced_orders(list(candidates))
+    cycles = -(-iters // max(1, len(orders)))
     for i in range(warmup):
         for fn in candidates.values():
             fn(i)
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for i in range(iters):
-        for name in rotation(list(candidates), i):
+    for i in range(cycles * len(orders)):
+        for name in orders[i % len(orders)]:
             fn = candidates[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -47,8 +51,11 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def rotation(names: list[str], i: int) -> list[str]:
-    """Iteration i's order: `names` begun at entry i mod len(names), so over len(names)
-    iterations every candidate runs once in every place."""
-    k = i % len(names) if names else 0
-    return names[k:] + names[:k]
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """A balanced Latin square of `names` (Williams' design): n orders for n candidates (2n
+    where n is odd) in which every candidate holds every place, and follows every other
+    candidate within an order, equally often."""
+    n = len(names)
+    first = [(j + 1) // 2 if j % 2 else (n - j // 2) % n for j in range(n)]
+    rows = [[names[(k + r) % n] for k in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
