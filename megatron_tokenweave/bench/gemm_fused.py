@@ -159,7 +159,8 @@ def _plot(result: dict, path: str) -> None:
                 ax.errorbar(lengths, mid, yerr=spread, marker="o", capsize=3,
                             label=f"{gemm} TP={tp}")
         ax.set_ylabel("cuBLAS time / communicating GEMM time"
-                      + (f" (median, range of {len(passes)} passes)" if len(passes) > 1 else ""))
+                      + (f"\n(median; bars: range of {len(passes)} passes)" if len(passes) > 1
+                         else ""))
         ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
     for ax, model in zip(axes[1] if clusters else [], models if clusters else [], strict=True):
         lengths = sorted({r["tokens"] for r in rows if r["model"] == model})

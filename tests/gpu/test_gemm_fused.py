@@ -7,7 +7,7 @@ test_gemm_fused_protocol_one_gpu[2, 4, 8]: that many processes sharing GPU 0 (gl
 through the communicator (`row_gemm` + `allreduce_rmsnorm(comm="gemm")`), against an expectation
 each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel's output):
 - both layouts; rows per chunk (sequence parallel) or in all (replicated) that are not tile
-  multiples (1, 7, 100, 300, 1000, 1031; 1, 100, 1031 at TP 4 and 8); K 1024 / 3584, hidden
+  multiples (1, 7, 100, 300, 1000, 1031; 1, 100, 300, 1031 at TP 4 and 8); K 1024 / 3584, hidden
   4096 / 5120; bf16 and fp16; every case twice, the second time on 8 GEMM CTAs with the other
   release (the GEMM's CTAs or the consumer publish the tiles); between them every tile shape,
   both GEMM kernels and both releases of ops/segments.py (asserted);
@@ -41,7 +41,7 @@ os.environ.update(NO_MULTICAST_ENV)
 
 EPS = 1e-5
 ROWS = (1, 7, 100, 300, 1000, 1031)
-ROWS_WIDE = (1, 100, 1031)  # at TP 4 and 8 (each rank computes every rank's partial sums)
+ROWS_WIDE = (1, 100, 300, 1031)  # at TP 4 and 8 (each rank computes every rank's partial sums)
 SHAPES = ((1024, 4096), (3584, 5120))  # (K, hidden)
 MAX_TOKENS = 8 * 1031 + 64
 
