@@ -75,6 +75,40 @@ def test_tuner_refuses_a_partial_custom_shape(capsys):
     assert "--heads and --kv-groups" in capsys.readouterr().err
 
 
+def test_interleaved_timing_runs_iters_iterations_in_the_balanced_orders(monkeypatch):
+    """interleaved_medians times exactly `iters` iterations (not rounded up to whole cycles:
+    a tuner's 15 candidates would triple its time), iteration i in order i of the cycle, after
+    `warmup` untimed rounds; each candidate's median is over its own samples."""
+    from megatron_tokenweave.bench import timing
+
+    clock = iter(range(10**6))
+
+    class FakeEvent:  # elapsed_time: the order of the two records, so every sample is 1 ms
+        def __init__(self, enable_timing: bool) -> None:
+            self.t = 0
+
+        def record(self) -> None:
+            self.t = next(clock)
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(timing.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    calls: list[tuple[str, int]] = []
+    names = [f"impl{i}" for i in range(5)]
+    candidates = {n: (lambda i, n=n: calls.append((n, i))) for n in names}
+    got = timing.interleaved_medians(candidates, iters=7, warmup=2)
+    assert got == {n: 1e3 for n in names}
+    orders = timing.balanced_orders(names)
+    assert calls[:10] == [(n, i) for i in range(2) for n in names]
+    assert calls[10:] == [(n, i) for i in range(7) for n in orders[i % len(orders)]]
+    assert timing.interleaved_medians({}, iters=3) == {}
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
 def test_interleaved_timing_balances_places_and_predecessors(n):
     """interleaved_medians' orders: each runs every candidate once; over the cycle each

@@ -27,20 +27,21 @@ def interleaved_medians(
 ) -> dict[str, float]:
     """Median microseconds of each candidate; candidate(i) gets the iteration index so it can
     rotate its inputs. Every iteration runs every candidate once, so clock drift and thermal
-    state hit them alike, in the orders of `balanced_orders` (iters rounded up to whole cycles
-    of them): each candidate runs in every place and right after every other candidate equally
-    often. Why: at 10-25 us GEMMs a candidate's time moved by up to 1.5 % with the candidate
-    timed before it (the same kernel, timed right after cuBLAS and right after itself, one
-    H200, docs/kernel.md), so no fixed order, nor a rotation of one, is fair."""
+    state hit them alike; iteration i in order i of `balanced_orders`, cyclically. Over whole
+    cycles each candidate runs in every place and right after every other candidate equally
+    often; fewer iterations (a tuner's 10 among 15 candidates) still give each candidate many
+    different predecessors (7 of its 9 at 15 candidates and 10 iterations). Why: at 10-25 us
+    GEMMs a candidate's time moved by up to 1.5 % with the candidate timed before it (the same
+    kernel, timed right after cuBLAS and right after itself, one H200, docs/kernel.md), so no
+    fixed order, nor a rotation of one, is fair."""
     orders = balanced_orders(list(candidates))
-    cycles = -(-iters // max(1, len(orders)))
     for i in range(warmup):
         for fn in candidates.values():
             fn(i)
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for i in range(cycles * len(orders)):
-        for name in orders[i % len(orders)]:
+    for i in range(iters):
+        for name in orders[i % len(orders)] if orders else []:
             fn = candidates[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
