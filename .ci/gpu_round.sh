@@ -2,7 +2,9 @@
 # A GPU round on the 2-GPU device machine, run from the repo root there after the staged wheels
 # were received: ../shared/device/stage.sh base / te / fa4 / cutlass, .ci/stage_serve.sh and
 # .ci/stage_flashinfer.sh, carried in back-to-back calls that each run `bash .dw/recv.sh`
-# (one call carries at most 64 MiB; ~10 s each). The first phase run
+# (one call carries at most 64 MiB with the working tree, so each 56 MiB part of TE's core wheel
+# goes alone; ~6 s each). Carry `te/small` only after the five parts: TE's meta package
+# installed without its core wheel makes `import megatron.core` raise. The first phase run
 # builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`
 # in a staging call did not build it on 2026-11-30).
 # Results and per-step logs under $OUT. Phases, one or more per call (`gpu_round.sh moe_tests
