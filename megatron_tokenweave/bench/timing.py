@@ -34,6 +34,8 @@ def interleaved_medians(
     GEMMs a candidate's time moved by up to 1.5 % with the candidate timed before it (the same
     kernel, timed right after cuBLAS and right after itself, one H200, docs/kernel.md), so no
     fixed order, nor a rotation of one, is fair."""
+    if not candidates:
+        return {}
     orders = balanced_orders(list(candidates))
     for i in range(warmup):
         for fn in candidates.values():
@@ -41,7 +43,7 @@ def interleaved_medians(
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for i in range(iters):
-        for name in orders[i % len(orders)] if orders else []:
+        for name in orders[i % len(orders)]:
             fn = candidates[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
