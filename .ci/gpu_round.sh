@@ -39,6 +39,9 @@
 #   tune_rep4  its CUDA-graph table from 4-layer blocks (three cross-layer hand-offs, not one)
 #   one_gpu  what one GPU can check: the kernel protocol with two processes on it (every data
 #          path), and the token split's GEMM cost (bench split_cost)
+#   serve_one_gpu  the serving tests with both ranks sharing one GPU over gloo (static engine +
+#          Flask, dynamic engine, OpenAI-server soak and SIGTERM stop; the CUDA-graph ones skip):
+#          stage.sh fa4 and .ci/stage_serve.sh carried, TE optional
 #   gemm   the GEMM-fused mechanism on one GPU: its protocol with 2, 4 and 8 ranks sharing the GPU,
 #          the woven layer's parity with it (ranks sharing the GPU), and the communicating GEMM
 #          against cuBLAS / TE (bench gemm_fused; TE rows where `stage.sh te` was carried)
@@ -152,6 +155,9 @@ case "$phase" in
     TAIL=12 step kernel_one_gpu 560 python -m pytest -v -s tests/gpu/test_kernel.py
     TAIL=8 step split_cost 200 python -m megatron_tokenweave.bench split_cost \
       --out "$out/split_cost.json"
+    ;;
+  serve_one_gpu)
+    TAIL=12 step serving_one_gpu 560 python -m pytest -v -rs tests/gpu/test_serving_gpu.py
     ;;
   tput)
     TAIL=12 step e2e_tput 560 python -m megatron_tokenweave.bench e2e --engine dynamic \

@@ -250,6 +250,14 @@ def _serve_armed(rank: int, world: int, args: Any) -> None:
     serve.run(rank, world, args, prepare=arm_engine_fault)
 
 
+def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """The test's environment for a script run from tests/: the repository on PYTHONPATH, so
+    the package imports however it was installed (a script's own folder, not the working
+    directory, starts its path)."""
+    paths = [REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **(extra or {})}
+
+
 class ServerProcess:
     """examples/serve.py's launcher (SIGINT/SIGTERM handling, one line on a stop) serving a model
     armed with arm_engine_fault, in its own session like a command started from a shell; its
@@ -267,8 +275,7 @@ class ServerProcess:
         with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--port", str(port), *options],
-                stdout=out, stderr=err, cwd=REPO, env={**os.environ, **(env or {})},
-                start_new_session=True)
+                stdout=out, stderr=err, cwd=REPO, env=_child_env(env), start_new_session=True)
 
     def output(self) -> tuple[str, str]:
         """(stdout, stderr) so far."""
