@@ -19,7 +19,8 @@
 #   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
 #          (throughput through the dynamic engine if those passed, else the static engine)
 #   kernel the kernel benchmark (FlashInfer where staged: .ci/stage_flashinfer.sh --aot)
-#   verify kernel tests (every data path) on the current kernels
+#   verify kernel tests across two GPUs (every data path; `one_gpu` has the ranks-sharing-one-GPU
+#          cases)
 #   sanitize  compute-sanitizer (memcheck, racecheck) on the current kernels
 #   ce     the copy-engine data path: kernel benchmark (op alone and beside the GEMM) and the 70B
 #          block with both layouts on it, beside the SM-driven path
@@ -128,7 +129,7 @@ case "$phase" in
       --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
     ;;
   verify)
-    TAIL=12 step kernel_tests 560 python -m pytest -v -s tests/gpu/test_kernel.py
+    TAIL=12 step kernel_tests 300 python -m pytest -v -s tests/gpu/test_kernel.py -k two_gpus
     ;;
   sanitize)
     TAIL=8 step sanitizer 480 python -m pytest -v tests/gpu/test_sanitizer.py
