@@ -250,10 +250,10 @@ def _serve_armed(rank: int, world: int, args: Any) -> None:
     serve.run(rank, world, args, prepare=arm_engine_fault)
 
 
-def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
-    """The test's environment for a script run from tests/: the repository on PYTHONPATH, so
-    the package imports however it was installed (a script's own folder, not the working
-    directory, starts its path)."""
+def child_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """The test's environment for a script of the repository run as a file: the repository on
+    PYTHONPATH, so the package imports however it was installed (the script's own folder, not
+    the working directory, starts its path)."""
     paths = [REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **(extra or {})}
 
@@ -275,7 +275,7 @@ class ServerProcess:
         with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--port", str(port), *options],
-                stdout=out, stderr=err, cwd=REPO, env=_child_env(env), start_new_session=True)
+                stdout=out, stderr=err, cwd=REPO, env=child_env(env), start_new_session=True)
 
     def output(self) -> tuple[str, str]:
         """(stdout, stderr) so far."""

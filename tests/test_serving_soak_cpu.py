@@ -26,6 +26,7 @@ from _serving import (
     bad_requests,
     check_bad_answer,
     check_fault_answer,
+    child_env,
     engine_fault_request,
     http,
 )
@@ -142,7 +143,7 @@ def test_openai_server_refuses_port_zero():
     """Megatron's OpenAI frontends bind in forked processes and report no chosen port, so
     examples/serve.py refuses --port 0 there, before starting any rank."""
     done = subprocess.run([sys.executable, "examples/serve.py", "--server", "openai",
-                           "--port", "0"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                           "--port", "0"], cwd=REPO, env=child_env(None), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode != 0
     assert "--server openai needs a port" in done.stderr, done.stderr

@@ -18,10 +18,11 @@ the best configuration's speed relative to cuBLAS, median over the shards. Repli
 (what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS
 calls back to back on as many inputs (a graph of a single call also times its replay's launch,
 microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), bf16, medians
-per call. `--passes N` times the same graphs N times (rows carry `pass`): one pass resolves a
-10-25 us GEMM's ratio to about 2-3 % (docs/kernel.md), so the plot draws the median over passes
-and their range. The tokenweave and CUTLASS rows are checked against cuBLAS before timing. The
-reduction that consumes the tiles needs peers: its timing is part of the 2-GPU kernel benchmark.
+per call. `--passes N` times the same graphs N times (rows carry `pass`): a 10-25 us GEMM's
+ratio moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the median
+over passes and their range. The tokenweave and CUTLASS rows are checked against cuBLAS before
+timing. The reduction that consumes the tiles needs peers: its timing is part of the 2-GPU
+kernel benchmark.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def _plot(result: dict, path: str) -> None:
                       + (f"\n(median; bars: range of {len(passes)} passes)" if len(passes) > 1
                          else ""))
         ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
-    for ax, model in zip(axes[1] if clusters else [], models if clusters else [], strict=True):
+    for ax, model in zip(axes[1], models, strict=True) if clusters else ():
         lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
         shards = sorted({(r["gemm"], r["tp"]) for r in rows if r["model"] == model})
 
