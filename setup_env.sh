@@ -14,7 +14,7 @@ venv=${TOKENWEAVE_VENV:-.venv}
 py="$venv/bin/python"
 pip=("$py" -m pip install -q --disable-pip-version-check)
 "$py" -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
-"${pip[@]}" numpy packaging pytest ruff triton tqdm flask flask-restful matplotlib
+"${pip[@]}" numpy packaging pytest ruff triton tqdm flask flask-restful matplotlib psutil
 "$py" -c "import megatron.core, sys; sys.exit(not megatron.core.__version__.startswith('0.19.2'))" 2>/dev/null \
   || "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
 "${pip[@]}" --no-build-isolation --no-deps -e .

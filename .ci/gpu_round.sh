@@ -55,6 +55,13 @@
 #          forced (the GEMM's CTAs or the consumer publish the tiles), 1K / 2K / 4K
 #   tput   throughput through the dynamic engine, eager, with the no-communication ceiling, for
 #          32 and 256 generated tokens per prompt (flash-attn-4 staged)
+#   layer_one_gpu  the woven layers with ranks sharing one GPU: GPTModel against the stock spec,
+#          HybridModel against Megatron's hybrid_stack_spec (TE where staged), hybrid graph replays
+#   calls  the kernel protocol with 2, 4 and 8 ranks sharing one GPU, the divergence checks (a
+#          rank that misses a call) among them, then what the call check costs the one-shot
+#          path (bench call_check)
+#   serve_hybrid  the serving tests of GPTModel and HybridModel with ranks sharing one GPU, but
+#          the OpenAI soak and the SIGTERM stop (fa4 and .ci/stage_serve.sh carried)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
@@ -198,6 +205,18 @@ case "$phase" in
     TAIL=16 step tune70b_rep4 300 python -m megatron_tokenweave.tune --model llama-3.3-70b \
       --layouts replicated --modes graph --layers 4 --budget-s 240
     mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*.json "$out/tables/"
+    ;;
+  layer_one_gpu)
+    TAIL=12 step layer_one_gpu 500 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k one_gpu
+    ;;
+  calls)
+    TAIL=12 step kernel_one_gpu 500 python -m pytest -v -s tests/gpu/test_kernel.py -k one_gpu
+    TAIL=40 step call_check 200 python -m megatron_tokenweave.bench call_check \
+      --out "$out/call_check_1gpu.json"
+    ;;
+  serve_hybrid)
+    TAIL=14 step serve_hybrid 560 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
+      -k "not soak and not sigterm"
     ;;
   more)
     TAIL=20 step layer_tests 150 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k "not te_spec"

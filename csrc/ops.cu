@@ -3,10 +3,15 @@
 // A Communicator (one per TP group, dtype, hidden size and device: megatron_tokenweave.
 // communicator) owns everything that describes the symmetric buffer and the data-path settings
 // every rank agreed on when it was created; Python holds it as an integer handle (comm_create /
-// comm_destroy). The op takes that handle, the tensors and a few scalars:
+// comm_destroy). The ops take that handle, the tensors and a few scalars:
 //   fused_allreduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
-//                           ctas, path, phase)
-// partial is mutated too: the two-shot and GEMM-fused replicated paths write y back into it.
+//                           ctas, path, tag)
+//   gemm_reduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
+//                       ctas, segments, tag)
+// `tag` is the call's tag (signal.cuh: every rank passes the same for the same call; a peer on
+// another call is an error, never a combination of two calls' rows); `segments` the GEMM-fused
+// call's geometry as one list (SegmentGeometry). partial is mutated too: the two-shot and
+// GEMM-fused replicated paths write y back into it.
 // Nothing here reads the environment: a setting that changes the protocol must be the same on
 // every rank, so it is agreed once, in Python, and stored in the Communicator.
 // Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; fake
@@ -36,8 +41,14 @@ namespace tokenweave {
 // Data paths of one call (the op's `path` argument; the Python names are in
 // megatron_tokenweave/kernels/comm.py): the SM-driven kernels (one-shot, two-shot, bulk copies or
 // registers, chosen below by layout, size and TP and the communicator's settings; multimem
-// instead where the communicator has a multicast address), or the copy-engine op.
-enum Path : int64_t { kPathSm = 0, kPathCopyEngine = 1 };
+// instead where the communicator has a multicast address), or the copy-engine op, whole or one
+// of its two phases (copy_engine.cuh: the transfer, then the local reduction).
+enum Path : int64_t {
+  kPathSm = 0,
+  kPathCopyEngine = 1,
+  kPathCopyEngineTransfer = 2,
+  kPathCopyEngineReduce = 3,
+};
 
 // What every rank of a TP group agreed on for one symmetric buffer. Owned by Python through an
 // integer handle (vLLM keeps its custom all-reduce the same way); the tensors it holds stay alive
@@ -52,6 +63,7 @@ struct Communicator {
   bool oneshot = true;            // the one-shot path for small replicated calls
   bool twoshot = true;            // the two-shot path for larger replicated calls at TP >= 4
   bool local_stores_only = false; // benchmark diagnostic (wrong results): no remote normed stores
+  bool check_calls = true;        // the call tags are checked (off: a benchmark diagnostic)
   int64_t multicast_base = 0;     // multimem data path (never set on this project's machines)
   // Copy-engine path (comm_attach_mirror): the kernel's sources, the mirror, its layout.
   at::Tensor sources, mirror;
@@ -72,6 +84,7 @@ enum Flags : int64_t {
   kFlagOneShot = 2,
   kFlagLocalStoresOnly = 4,
   kFlagTwoShot = 8,
+  kFlagCheckCalls = 16,
 };
 
 namespace {
@@ -121,7 +134,9 @@ void check_in_buffer(const at::Tensor& t, const char* name, const Communicator& 
 FusedParams make_params(const Communicator& c, const at::Tensor& partial,
                         const at::Tensor& residual, const std::optional<at::Tensor>& weight,
                         double eps, at::Tensor& residual_out,
-                        const std::optional<at::Tensor>& normed_out, int64_t ctas) {
+                        const std::optional<at::Tensor>& normed_out, int64_t ctas, int64_t tag) {
+  TORCH_CHECK(tag > 0 && tag <= 0xFFFFFFFFll, "tokenweave: the call tag must be in 1..2^32-1, "
+              "got ", tag);
   TORCH_CHECK(partial.is_cuda() && partial.dim() == 3 && partial.is_contiguous(),
               "tokenweave: partial must be a contiguous [chunks, rows, hidden] CUDA tensor");
   TORCH_CHECK(partial.get_device() == c.device, "tokenweave: partial is on cuda:",
@@ -160,6 +175,7 @@ FusedParams make_params(const Communicator& c, const at::Tensor& partial,
   p.eps = static_cast<float>(eps);
   p.timeout_ns = static_cast<uint64_t>(c.timeout_ns);
   p.local_stores_only = c.local_stores_only ? 1 : 0;
+  p.tag = c.check_calls ? static_cast<uint32_t>(tag) : 0u;
   if (weight.has_value()) {
     TORCH_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
     const at::Tensor& w = *weight;
@@ -348,61 +364,77 @@ void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaSt
     launch_barrier_path<T>(c, p, ctas, stream);
 }
 
-// The GEMM-fused path's consumer (gemm_reduce.cuh) for the rows of inbox set `set` starting at
-// inbox row `row0`, segments of `seg_rows` rows, the GEMM's `block_rows` x `col_tiles` flags;
-// `publish`: the consumer releases the GEMM's tiles (one flag per source and owner).
-template <typename T>
-void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t ctas, int64_t set,
-                        int64_t row0, int64_t seg_rows, int64_t block_rows, int64_t col_tiles,
-                        bool publish, cudaStream_t stream) {
+// One GEMM-fused call's geometry (ops/segments.py Segments.geometry): inbox set `set`, its rows
+// from inbox row `row0`, segments of `seg_rows` rows, the GEMM's `block_rows` x `col_tiles`
+// flags; `publish`: the consumer releases the GEMM's tiles (one flag per source and owner).
+struct SegmentGeometry {
+  int64_t set, row0, seg_rows, block_rows, col_tiles;
+  bool publish;
+};
+
+// The geometry from the op's list, checked against the call and the inbox (the one place).
+SegmentGeometry geometry_of(const Communicator& c, const FusedParams& p, int64_t elem_bytes,
+                            at::IntArrayRef list) {
+  TORCH_CHECK(list.size() == 6, "tokenweave: segments must be [set, row0, seg_rows, block_rows, "
+              "col_tiles, publish], got ", list.size(), " entries");
+  const SegmentGeometry g{list[0], list[1], list[2], list[3], list[4], list[5] != 0};
   TORCH_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
               "inbox (comm_attach_inbox)");
-  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * elem_bytes;
   TORCH_CHECK(row_bytes == c.row_bytes, "tokenweave: rows of ", row_bytes, " bytes, the inbox "
               "holds rows of ", c.row_bytes, " (another hidden size or dtype)");
-  TORCH_CHECK(set == 0 || set == 1, "tokenweave: inbox set must be 0 or 1, got ", set);
-  TORCH_CHECK(block_rows >= 1 && col_tiles >= 1 && col_tiles <= c.flag_tiles,
+  TORCH_CHECK(g.set == 0 || g.set == 1, "tokenweave: inbox set must be 0 or 1, got ", g.set);
+  TORCH_CHECK(list[5] == 0 || list[5] == 1, "tokenweave: publish must be 0 or 1");
+  TORCH_CHECK(g.block_rows >= 1 && g.col_tiles >= 1 && g.col_tiles <= c.flag_tiles,
               "tokenweave: block_rows must be positive and col_tiles in 1..", c.flag_tiles);
-  TORCH_CHECK(seg_rows >= 1 && row0 >= 0 && row0 + seg_rows <= c.slot_rows,
-              "tokenweave: inbox rows [", row0, ", ", row0 + seg_rows, ") outside the ",
+  TORCH_CHECK(g.seg_rows >= 1 && g.row0 >= 0 && g.row0 + g.seg_rows <= c.slot_rows,
+              "tokenweave: inbox rows [", g.row0, ", ", g.row0 + g.seg_rows, ") outside the ",
               c.slot_rows, " rows of a slot");
-  TORCH_CHECK((seg_rows + block_rows - 1) / block_rows <= c.flag_blocks,
-              "tokenweave: ", seg_rows, " rows of ", block_rows, "-row blocks need more than the ",
-              c.flag_blocks, " flag blocks of the inbox");
+  TORCH_CHECK((g.seg_rows + g.block_rows - 1) / g.block_rows <= c.flag_blocks,
+              "tokenweave: ", g.seg_rows, " rows of ", g.block_rows, "-row blocks need more than "
+              "the ", c.flag_blocks, " flag blocks of the inbox");
   if (p.sequence_parallel) {
-    TORCH_CHECK(seg_rows == p.rows, "tokenweave: sequence parallel: seg_rows (", seg_rows,
+    TORCH_CHECK(g.seg_rows == p.rows, "tokenweave: sequence parallel: seg_rows (", g.seg_rows,
                 ") must equal the rows of a chunk (", p.rows, ")");
   } else {
-    TORCH_CHECK(seg_rows * c.world >= p.rows && seg_rows % block_rows == 0,
-                "tokenweave: replicated: ", c.world, " segments of seg_rows (", seg_rows,
-                ") must cover the ", p.rows, " rows and be whole blocks of ", block_rows);
+    TORCH_CHECK(g.seg_rows * c.world >= p.rows && g.seg_rows % g.block_rows == 0,
+                "tokenweave: replicated: ", c.world, " segments of seg_rows (", g.seg_rows,
+                ") must cover the ", p.rows, " rows and be whole blocks of ", g.block_rows);
   }
+  return g;
+}
+
+// The GEMM-fused path's consumer (gemm_reduce.cuh) of the call of geometry `s`.
+template <typename T>
+void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t ctas,
+                        const SegmentGeometry& s, cudaStream_t stream) {
+  const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   InboxParams g{};
   g.data = reinterpret_cast<const char*>(c.inbox_data);
   g.slot_bytes = c.slot_rows * row_bytes;
-  g.row0 = static_cast<int>(row0);
-  g.seg_rows = static_cast<int>(seg_rows);
-  const int64_t mine = p.sequence_parallel ? p.rows : p.rows - c.rank * seg_rows;
-  g.my_rows = static_cast<int>(mine < 0 ? 0 : (mine < seg_rows ? mine : seg_rows));
-  g.block_rows = static_cast<int>(block_rows);
-  g.col_tiles = static_cast<int>(col_tiles);
-  g.flags = reinterpret_cast<const uint32_t*>(c.inbox_flags) + set * c.flag_set_words;
+  g.row0 = static_cast<int>(s.row0);
+  g.seg_rows = static_cast<int>(s.seg_rows);
+  const int64_t mine = p.sequence_parallel ? p.rows : p.rows - c.rank * s.seg_rows;
+  g.my_rows = static_cast<int>(mine < 0 ? 0 : (mine < s.seg_rows ? mine : s.seg_rows));
+  g.block_rows = static_cast<int>(s.block_rows);
+  g.col_tiles = static_cast<int>(s.col_tiles);
+  g.flags = reinterpret_cast<const uint32_t*>(c.inbox_flags) + s.set * c.flag_set_words;
   g.src_stride = c.flag_blocks * c.flag_tiles;
   g.tiles_stride = static_cast<int>(c.flag_tiles);
   auto* control = reinterpret_cast<uint32_t*>(c.inbox_control);
-  g.epoch = control + set;
-  g.done = control + 2 + set;
-  if (publish) {
+  g.epoch = control + s.set;
+  g.done = control + 2 + s.set;
+  if (s.publish) {
     g.block_rows = g.seg_rows;  // one block of one tile: flag[set][src][0][0]
     g.col_tiles = 1;
     for (int64_t q = 0; q < c.world; ++q)
-      g.publish[q] = reinterpret_cast<uint32_t*>(c.inbox_regions[q]) + set * c.flag_set_words +
+      g.publish[q] = reinterpret_cast<uint32_t*>(c.inbox_regions[q]) + s.set * c.flag_set_words +
                      c.rank * g.src_stride;
   }
-  const LaunchShape s = launch_shape(p.hidden);
-  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
+  const LaunchShape shape = launch_shape(p.hidden);
+  with_np_vpt(np_bucket(p.world), shape.vpt, [&](auto np_c, auto vpt_c) {
     gemm_reduce_rmsnorm_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
-        <<<grid_of(seg_rows, ctas), s.threads, 0, stream>>>(p, g);
+        <<<grid_of(s.seg_rows, ctas), shape.threads, 0, stream>>>(p, g);
   });
   check_launch();
 }
@@ -411,14 +443,14 @@ void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t cta
 // path (data: the mirror of q, or this rank's data base at q = rank; then the signal pads);
 // `c.peer_data` every rank's data base; `c.mirrors` this rank's mirror of each rank.
 template <typename T>
-void launch_copy_engine(const Communicator& c, const FusedParams& p, int64_t ctas, int64_t phase,
+void launch_copy_engine(const Communicator& c, const FusedParams& p, int64_t ctas, int64_t path,
                         cudaStream_t stream) {
+  const int64_t phase = path == kPathCopyEngineTransfer ? kCeTransfer
+                        : path == kPathCopyEngineReduce ? kCeReduce
+                                                        : kCeWhole;
   const bool gather_normed = p.sequence_parallel && p.weight != nullptr;
   TORCH_CHECK(c.mirror_bytes > 0, "tokenweave: the copy-engine path needs the communicator's "
               "mirror (comm_attach_mirror)");
-  TORCH_CHECK(phase == kCeWhole || phase == kCeTransfer || phase == kCeReduce,
-              "tokenweave: copy-engine phase must be 0 (whole), 1 (transfer) or 2 (reduce), got ",
-              phase);
   TORCH_CHECK(phase == kCeWhole || !gather_normed,
               "tokenweave: the copy-engine op runs in two phases only when it gathers no normed "
               "rows (replicated layout, or no norm)");
@@ -504,6 +536,7 @@ int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_
   c->oneshot = (flags & kFlagOneShot) != 0;
   c->twoshot = (flags & kFlagTwoShot) != 0;
   c->local_stores_only = (flags & kFlagLocalStoresOnly) != 0;
+  c->check_calls = (flags & kFlagCheckCalls) != 0;
   c->multicast_base = multicast_base;
   return reinterpret_cast<int64_t>(c);
 }
@@ -574,60 +607,59 @@ void comm_destroy(int64_t handle) {
   delete c;
 }
 
-// Queue a copy of this rank's error words (SignalPad.error: code, peer, slot, epoch) into `host`
-// (pinned int32 [4]) on the current stream: no host synchronisation, and captured into a CUDA
-// graph like any copy, so every replay refreshes them. The host reads them later and raises.
+// Queue a copy of this rank's error words (SignalPad.error: signal.cuh ErrorWord) into `host`
+// (pinned int32 [kErrorWords]) on the current stream: no host synchronisation, and captured into
+// a CUDA graph like any copy, so every replay refreshes them. The host reads them later and
+// raises.
 void comm_copy_errors(int64_t handle, at::Tensor& host) {
   const Communicator& c = comm_of(handle);
   TORCH_CHECK(host.device().is_cpu() && host.is_pinned() && host.scalar_type() == at::kInt &&
-                  host.numel() == 4 && host.is_contiguous(),
-              "tokenweave: the error words' destination must be a pinned int32 tensor of 4");
+                  host.numel() == kErrorWords && host.is_contiguous(),
+              "tokenweave: the error words' destination must be a pinned int32 tensor of ",
+              kErrorWords);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device).stream();
   const void* pad = reinterpret_cast<const void*>(c.local_base - kHeaderBytes);
-  const cudaError_t err =
-      cudaMemcpyAsync(host.data_ptr(), pad, 4 * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream);
+  const cudaError_t err = cudaMemcpyAsync(host.data_ptr(), pad, kErrorWords * sizeof(uint32_t),
+                                          cudaMemcpyDeviceToHost, stream);
   TORCH_CHECK(err == cudaSuccess, "tokenweave: copying the error words failed: ",
               cudaGetErrorString(err));
 }
 
 // y = sum over the group of partial + residual -> residual_out; RMSNorm(y) * weight -> normed_out.
-// `path`: Path; `phase`: CopyEnginePhase (the copy-engine path only; 0 elsewhere).
+// `path`: Path; `tag`: the call's tag.
 void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                              const std::optional<at::Tensor>& weight, double eps,
                              at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                             int64_t ctas, int64_t path, int64_t phase) {
+                             int64_t ctas, int64_t path, int64_t tag) {
   const Communicator& c = comm_of(handle);
-  TORCH_CHECK(path == kPathSm || path == kPathCopyEngine, "tokenweave: path must be 0 (SM) or 1 "
-              "(copy engine), got ", path);
-  TORCH_CHECK(path == kPathCopyEngine || phase == kCeWhole,
-              "tokenweave: only the copy-engine path runs in phases");
+  TORCH_CHECK(path >= kPathSm && path <= kPathCopyEngineReduce, "tokenweave: path must be 0 "
+              "(SM), 1 (copy engine), 2 (its transfer) or 3 (its reduction), got ", path);
   const FusedParams p =
-      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas);
+      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas, tag);
   on_stream(partial, p, [&](auto t, cudaStream_t stream) {
     using T = decltype(t);
-    if (path == kPathCopyEngine)
-      launch_copy_engine<T>(c, p, ctas, phase, stream);
-    else
+    if (path == kPathSm)
       launch_sm<T>(c, p, ctas, stream);
+    else
+      launch_copy_engine<T>(c, p, ctas, path, stream);
   });
 }
 
 // The GEMM-fused path's consumer: y = sum of the P slots of this rank's inbox rows + residual
 // -> residual_out; RMSNorm(y) * weight -> normed_out (sequence parallel: stored to every rank;
 // replicated: y to every rank's `partial` rows, then each rank normalizes all rows locally).
-// publish: the consumer releases the GEMM's tiles (ops/segments.py RELEASES).
+// `segments`: the call's SegmentGeometry as a list; `tag`: the call's tag (its GEMM's too).
 void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                          const std::optional<at::Tensor>& weight, double eps,
                          at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                         int64_t ctas, int64_t set, int64_t row0, int64_t seg_rows,
-                         int64_t block_rows, int64_t col_tiles, bool publish) {
+                         int64_t ctas, at::IntArrayRef segments, int64_t tag) {
   const Communicator& c = comm_of(handle);
   const FusedParams p =
-      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas);
+      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas, tag);
+  const SegmentGeometry g = geometry_of(c, p, partial.element_size(), segments);
   on_stream(partial, p, [&](auto t, cudaStream_t stream) {
-    launch_gemm_reduce<decltype(t)>(c, p, ctas, set, row0, seg_rows, block_rows, col_tiles,
-                                    publish, stream);
+    launch_gemm_reduce<decltype(t)>(c, p, ctas, g, stream);
   });
 }
 
@@ -649,11 +681,11 @@ TORCH_LIBRARY(tokenweave, m) {
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
       "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int path, "
-      "int phase) -> ()");
+      "int tag) -> ()");
   m.def(
       "gemm_reduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
-      "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int set, "
-      "int row0, int seg_rows, int block_rows, int col_tiles, bool publish) -> ()");
+      "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int[] segments, "
+      "int tag) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {

@@ -56,7 +56,8 @@ BACKENDS = ("auto", "kernel", "reference", "multimem")
 AGREED_ENV = (
     *(ENV_PREFIX + f.name.upper() for f in dataclasses.fields(TokenWeaveConfig) if f.init),
     "TOKENWEAVE_CACHE", "TOKENWEAVE_NO_BULK", "TOKENWEAVE_NO_ONESHOT", "TOKENWEAVE_NO_TWOSHOT",
-    "TOKENWEAVE_DEBUG_LOCAL_STORES", "TOKENWEAVE_KERNEL_TIMEOUT_S", "TOKENWEAVE_ALLOW_MULTIMEM",
+    "TOKENWEAVE_DEBUG_LOCAL_STORES", "TOKENWEAVE_DEBUG_NO_CALL_CHECK",
+    "TOKENWEAVE_KERNEL_TIMEOUT_S", "TOKENWEAVE_ALLOW_MULTIMEM",
 )
 TUNING_TABLES = "tuning tables in the cache (TOKENWEAVE_CACHE/tuning)"
 
@@ -194,7 +195,8 @@ def agree(group: dist.ProcessGroup, device: torch.device, requested: str, hidden
         bulk=not _env_flag(env, "TOKENWEAVE_NO_BULK"),
         oneshot=not _env_flag(env, "TOKENWEAVE_NO_ONESHOT"),
         twoshot=not _env_flag(env, "TOKENWEAVE_NO_TWOSHOT"),
-        local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES")), timeout_s=timeout_s,
+        local_stores_only=_env_flag(env, "TOKENWEAVE_DEBUG_LOCAL_STORES"),
+        check_calls=not _env_flag(env, "TOKENWEAVE_DEBUG_NO_CALL_CHECK")), timeout_s=timeout_s,
         sms=lows[2])
     world = dist.get_world_size(group)
     if requested == "reference":
@@ -253,7 +255,7 @@ class Communicator:
         self.kernel = None
         self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
         self._inbox = None  # prepare_gemm(): kernels.GemmInbox, or the emulation's slots
-        self._errors = None  # pinned int32 [4]: the error words, copied by record_errors()
+        self._errors = None  # pinned int32 [ERROR_WORDS], copied by record_errors()
         if self.backend == "kernel":
             from megatron_tokenweave import kernels
 
@@ -262,7 +264,7 @@ class Communicator:
             buffer = kernels.MulticastBuffer if a.multicast else kernels.SymmetricBuffer
             self.symmetric = buffer(group, nbytes, device, timeout_s=a.timeout_s)
             self.kernel = kernels.KernelComm(self.symmetric, a.settings)
-            self._errors = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+            self._errors = torch.zeros(kernels.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
             flat = self.symmetric.local[:nbytes].view(dtype)
         else:
             flat = torch.empty(2 * numel, dtype=dtype, device=device)
@@ -274,7 +276,7 @@ class Communicator:
                           weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
                           normed_out: torch.Tensor | None, layout: Layout, *, ctas: int = 16,
                           comm: Comm = "fused", phase: Phase = "whole",
-                          segments: Segments | None = None, set_index: int = 0,
+                          segments: Segments | None = None, set_index: int = 0, call: int = 0,
                           validate: bool = True) -> None:
         """y = sum over the TP group of `partial` + `residual`; normed = RMSNorm(y) * weight.
 
@@ -294,6 +296,10 @@ class Communicator:
         phase: "transfer" then "reduce" split the copy-engine op in two (where
             ops.validate.phases_apply); mechanisms without phases run whole at "reduce" and do
             nothing at "transfer".
+        call: the caller's number for this call, the same on every rank (the woven layer's:
+            layer, stage and half); the kernels check that every peer is on the same call
+            (kernels.call_tag) and fail loudly where one is not. With comm="gemm" the same
+            number as its `row_gemm`.
         validate: check the arguments in Python first (the kernel's C++ checks always run).
         """
         check_phase(phase, layout, weight)  # on every backend: a wrong phasing fails on CPU too
@@ -303,12 +309,13 @@ class Communicator:
             return
         if comm == "gemm":
             self._reduce_owned(partial, residual, weight, eps, residual_out, normed_out, layout,
-                               segments, set_index, ctas, validate)
+                               segments, set_index, ctas, call, validate)
             return
         if kernel:
             self.kernel.run(partial, residual, weight, eps, residual_out, normed_out, layout,
                             ctas=ctas, path="copy_engine" if copy_engine else "sm",
-                            phase=phase if copy_engine else "whole", validate=validate)
+                            phase=phase if copy_engine else "whole", call=call,
+                            validate=validate)
             return
         if validate:
             world = dist.get_world_size(self.group)
@@ -362,18 +369,20 @@ class Communicator:
                                       dtype=self.dtype, device=self.device)
 
     def row_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 segments: Segments, set_index: int, *, ctas: int,
+                 segments: Segments, set_index: int, *, ctas: int, call: int = 0,
                  validate: bool = True) -> None:
         """The communicating row-parallel GEMM of one call: x [rows, K] @ weight^T (+ bias),
         each segment's rows stored into its owner's inbox set `set_index` (the consumer is
-        allreduce_rmsnorm(comm="gemm") with the same segments and set). ctas: the persistent
-        CTAs the GEMM may take (the kernel backend's SMs left beside the other half's op)."""
+        allreduce_rmsnorm(comm="gemm") with the same segments, set and `call`). ctas: the
+        persistent CTAs the GEMM may take (the kernel backend's SMs left beside the other
+        half's op)."""
         if validate:
             self._check_gemm(x, weight, bias, segments, set_index)
         if self.backend == "kernel":
             from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
-            owner_gemm(x, weight, bias, self._inbox, segments, set_index, ctas)
+            tag = self.kernel.gemm_tag(call, segments, set_index, weight.shape[0])
+            owner_gemm(x, weight, bias, self._inbox, segments, set_index, ctas, tag)
         else:
             store_to_owners(x, weight, bias, segments, self._inbox, self.group)
 
@@ -412,7 +421,7 @@ class Communicator:
     def _reduce_owned(self, partial: torch.Tensor, residual: torch.Tensor,
                       weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
                       normed_out: torch.Tensor | None, layout: Layout, seg: Segments | None,
-                      set_index: int, ctas: int, validate: bool) -> None:
+                      set_index: int, ctas: int, call: int, validate: bool) -> None:
         if validate:
             world = dist.get_world_size(self.group)
             check_fused_args(partial, residual, weight, residual_out, normed_out, layout, world)
@@ -427,7 +436,8 @@ class Communicator:
                     "pass the segments of the row_gemm call that made its rows")
         if self.backend == "kernel":
             self.kernel.reduce_owned(partial, residual, weight, eps, residual_out, normed_out,
-                                     layout, seg, set_index, ctas=ctas, validate=validate)
+                                     layout, seg, set_index, ctas=ctas, call=call,
+                                     validate=validate)
         else:
             reduce_owned(self._inbox, seg, partial, residual, weight, eps, residual_out,
                          normed_out, layout, self.group)

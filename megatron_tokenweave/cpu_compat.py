@@ -23,22 +23,24 @@ class _HostStream:
 
 @contextlib.contextmanager
 def cpu_device_scope() -> Iterator[None]:
-    """Make `torch.cuda.current_device()` answer "cpu" and `torch.cuda.Stream()` build a
-    stand-in inside the scope, on CPU-only machines.
+    """Make `torch.cuda.current_device()` answer "cpu", `torch.cuda.Stream()` build a stand-in
+    and `torch.cuda.synchronize()` wait for nothing inside the scope, on CPU-only machines.
 
     Megatron builds RoPE and attention buffers on `torch.cuda.current_device()`; with this they
-    land on the CPU. On a machine with CUDA the scope changes nothing.
+    land on the CPU. Its distributed checkpointing synchronizes the device before it copies
+    tensors. On a machine with CUDA the scope changes nothing.
     """
     if torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.current_device, torch.cuda.Stream
+    saved = torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.cuda.Stream = saved  # type: ignore[assignment,misc]
+        torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize = saved  # type: ignore[assignment,misc]
 
 
 class _HostEvent:
@@ -86,7 +88,7 @@ def _causal_mask(sq: int) -> torch.Tensor:
 def cpu_inference_scope() -> Iterator[None]:
     """cpu_device_scope plus what Megatron's static inference engine and Flask server touch:
     `Tensor.cuda()` (kept on the CPU), `torch.cuda.Event` (always done, zero elapsed time),
-    `torch.cuda.synchronize()` (nothing to wait for), the unfused softmax's default causal mask
+    the unfused softmax's default causal mask
     (built on "cuda"), the inference broadcasts' "is this a CUDA tensor" assertion and the
     server's prompt tokenizer, which puts its tensors on "cuda"."""
     if torch.cuda.is_available():
@@ -99,7 +101,6 @@ def cpu_inference_scope() -> Iterator[None]:
     patches = [
         (torch.Tensor, "cuda", lambda self, *args, **kwargs: self),
         (torch.cuda, "Event", _HostEvent),
-        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (fused_softmax, "get_default_causal_mask", _causal_mask),
         (communication_utils, "_is_cuda", _is_tensor),
         (tokenization, "torch", _HostTorch()),

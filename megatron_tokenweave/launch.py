@@ -222,11 +222,16 @@ def _collect(procs: list, queue, timeout: float | None, received: list[int]) -> 
     return results
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int, seed: int = 1234) -> None:
+def initialize_model_parallel(tensor_model_parallel_size: int, seed: int = 1234,
+                              pipeline_model_parallel_size: int = 1) -> None:
     """Megatron's parallel state (in a spawned rank) and its inference RNG tracker: no
-    dropout-RNG forks, which works on CPU and inside CUDA-graph capture."""
+    dropout-RNG forks, which works on CPU and inside CUDA-graph capture. With pipeline
+    parallelism the ranks are Megatron's default order: TP groups of consecutive ranks, one per
+    stage."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

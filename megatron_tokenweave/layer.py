@@ -1,10 +1,13 @@
-"""TokenWeaveTransformerLayer: Megatron's TransformerLayer with the woven schedule of DESIGN.md.
+"""The woven layers: Megatron's layer classes with the woven schedule of DESIGN.md.
 
-Per layer, the tokens are split in halves A and B (rows of every chunk; a chunk is one rank's
-sequence shard, or all rows without sequence parallelism) and one half's fused all-reduce + add +
-RMSNorm runs beside the other half's GEMMs: the steps are megatron_tokenweave.woven's. Below the
-split threshold there is one half and the fused op runs on the main stream. Where the fused path
-does not apply, the stock TransformerLayer.forward runs (logged once).
+One mixin, `WovenLayer`, on each layer class a Megatron stack builds: TransformerLayer (GPTModel
+layers, hybrid '*' and 'G'), MLPLayer (hybrid '-'), MoETransformerLayer (hybrid 'E') and
+MambaLayer (hybrid 'M'). A layer is a sequence of mixer stages (megatron_tokenweave.stages);
+per forward the tokens are split in halves A and B (rows of every chunk; a chunk is one rank's
+sequence shard, or all rows without sequence parallelism) and one half's fused all-reduce + add
++ RMSNorm runs beside the other half's GEMMs: the steps are megatron_tokenweave.woven's. Below
+the split threshold there is one half and the fused op runs on the main stream. Where the fused
+path does not apply, the stock layer's forward runs (logged once).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.ssm.mamba_layer import MambaLayer
+from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from megatron_tokenweave import moe
 from megatron_tokenweave.communicator import find_communicator, get_communicator
@@ -28,16 +33,20 @@ from megatron_tokenweave.norm import norm_weight_eps, norm_weight_eps_in
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
 from megatron_tokenweave.schedule import Handoff, WeaveChain, plan_halves
+from megatron_tokenweave.stages import MixerStage, layer_stages
 from megatron_tokenweave.woven import WovenForward
 
-_CHAIN_ATTR = "_tokenweave_last_built_layer"
+CHAIN_ATTR = "_tokenweave_last_built_layer"
 
 
-class TokenWeaveTransformerLayer(TransformerLayer):
-    """A TransformerLayer whose row-parallel all-reduces and the norms after them are fused and
+class WovenLayer:
+    """A Megatron layer whose row-parallel all-reduces and the norms after them are fused and
     overlapped with the other half of the tokens. Same parameters and checkpoint keys as the
-    stock layer built from the same spec.
-    """
+    stock layer built from the same spec. Mixed into a Megatron layer class (first base)."""
+
+    # What the stock class's forward returns: TransformerLayer (output, context), MambaLayer
+    # the output alone.
+    _returns_context = True
 
     def __init__(
         self, *args: Any, tokenweave_config: TokenWeaveConfig | None = None, **kwargs: Any
@@ -50,6 +59,17 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         # the op's own C++ checks of shapes, dtypes, devices and alignment).
         self._validated = False
 
+    def _stages(self) -> tuple[MixerStage, ...]:
+        """The layer's mixer stages, found once (kept out of the module's registry: they name
+        submodules the layer already owns)."""
+        if "_tokenweave_stages" not in self.__dict__:
+            self.__dict__["_tokenweave_stages"] = layer_stages(self)
+        return self.__dict__["_tokenweave_stages"]
+
+    def first_norm(self) -> torch.nn.Module:
+        """The norm of the layer's first stage: what the predecessor's last fused op applies."""
+        return getattr(self, self._stages()[0].norm_name)
+
     def _accept_stock_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
         """Load TE-spec state dicts, whose norm weights live in the fused TE linears. Our
         separate TE norms carry an `_extra_state` (quantization metadata) that such a state
@@ -59,21 +79,24 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                 stock_key, our_key = prefix + theirs + suffix, prefix + ours + suffix
                 if stock_key in state_dict and our_key not in state_dict:
                     state_dict[our_key] = state_dict.pop(stock_key)
-        for name in ("input_layernorm", "pre_mlp_layernorm"):
-            norm = getattr(self, name)
-            extra_key = f"{prefix}{name}._extra_state"
+        for stage in self._stages():
+            norm = getattr(self, stage.norm_name)
+            extra_key = f"{prefix}{stage.norm_name}._extra_state"
             has_extra = type(norm).get_extra_state is not torch.nn.Module.get_extra_state
-            if has_extra and extra_key not in state_dict and f"{prefix}{name}.weight" in state_dict:
+            if has_extra and extra_key not in state_dict and \
+                    f"{prefix}{stage.norm_name}.weight" in state_dict:
                 state_dict[extra_key] = norm.get_extra_state()
 
     # ----------------------------------------------------------------- construction
     def _join_chain(self) -> WeaveChain:
-        """Share the chain of the layer built just before this one, if it is our predecessor."""
-        ref = getattr(self.config, _CHAIN_ATTR, None)
+        """Share the chain of the layer built just before this one, if it is our predecessor
+        (the next layer number, the same TP group). A stack that must not hand work past its
+        end (a pipeline stage's) forgets its last layer when it is built (`seal_chain`)."""
+        ref = getattr(self.config, CHAIN_ATTR, None)
         prev = ref() if ref is not None else None
-        object.__setattr__(self.config, _CHAIN_ATTR, weakref.ref(self))
+        object.__setattr__(self.config, CHAIN_ATTR, weakref.ref(self))
         if (
-            isinstance(prev, TokenWeaveTransformerLayer)
+            isinstance(prev, WovenLayer)
             and prev.layer_number == self.layer_number - 1
             and prev.tp_group is self.tp_group
         ):
@@ -96,11 +119,12 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         cfg = self.config
         if cfg.normalization != "RMSNorm":
             return f"normalization is {cfg.normalization}, the fused op is RMSNorm"
-        if (
-            norm_weight_eps(self.input_layernorm) is None
-            or norm_weight_eps(self.pre_mlp_layernorm) is None
-        ):
-            return "the layer's norms are not plain RMSNorm modules"
+        stages = self._stages()
+        if not stages:
+            return "the layer has no mixer"
+        for stage in stages:
+            if norm_weight_eps(getattr(self, stage.norm_name)) is None:
+                return f"the layer's {stage.norm_name} is not a plain RMSNorm module"
         if cfg.hidden_size % VECTOR_ELEMS != 0:
             return f"hidden size {cfg.hidden_size} is not a multiple of {VECTOR_ELEMS}"
         if cfg.fp32_residual_connection:
@@ -109,16 +133,18 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return "context parallelism is not supported"
         if getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None):
             return "fp8/fp4 GEMMs are not supported"
-        if not isinstance(self.cross_attention, IdentityOp):
+        if not isinstance(getattr(self, "cross_attention", IdentityOp()), IdentityOp):
             return "cross-attention layers are not supported"
-        linears = [
-            getattr(self.self_attention, "linear_qkv", None),
-            getattr(self.self_attention, "linear_proj", None),
-        ]
-        if not moe.is_moe(self.mlp):
-            linears += [getattr(self.mlp, name, None) for name in ("linear_fc1", "linear_fc2")]
-        if not all(isinstance(m, WovenLinearMixin) for m in linears):
-            return "the attention/MLP linears are not TokenWeave linears"
+        for stage in stages:
+            if stage.is_moe:
+                continue
+            if stage.column is None or stage.row is None:
+                return (f"{type(stage.mixer).__name__} is not a mixer TokenWeave weaves (its "
+                        "linears are not linear_qkv/linear_proj, in_proj/out_proj or "
+                        "linear_fc1/linear_fc2)")
+            if not (isinstance(stage.column, WovenLinearMixin)
+                    and isinstance(stage.row, WovenLinearMixin)):
+                return f"the {stage.kind} stage's linears are not TokenWeave linears"
         return None
 
     def _structure_reason(self) -> str | None:
@@ -139,10 +165,11 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         structure = self._structure_reason()
         if structure is not None:
             return structure
-        if moe.is_moe(self.mlp):  # per call: Megatron's engines switch the experts' padding
-            reason = moe.unsupported_reason(self.mlp)  # between prefill and decode steps
-            if reason is not None:
-                return reason
+        for stage in self._stages():  # per call: Megatron's engines switch the experts'
+            if stage.is_moe:  # padding between prefill and decode steps
+                reason = moe.unsupported_reason(stage.mixer)
+                if reason is not None:
+                    return reason
         if hidden_states.dtype not in SUPPORTED_DTYPES:
             return f"dtype {hidden_states.dtype} is not supported"
         if hidden_states.dtype not in KERNEL_DTYPES and hidden_states.is_cuda:
@@ -156,7 +183,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         handoff = self._chain.claim(hidden_states)
         reason = self._unsupported_reason(hidden_states)
         if reason is not None:
-            log_once(f"fallback:{reason}", f"TokenWeave: stock TransformerLayer path ({reason})")
+            stock = next(c for c in type(self).__mro__ if c in WOVEN_LAYERS)
+            log_once(f"fallback:{stock.__name__}:{reason}",
+                     f"TokenWeave: stock {stock.__name__} path ({reason})")
             if handoff is not None:
                 handoff.wait()  # the stock path reads the residual on the current stream
             out = super().forward(hidden_states, *args, **kwargs)
@@ -169,24 +198,27 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             return out
         try:
             if args:
-                raise TypeError("TokenWeaveTransformerLayer takes the layer's arguments by keyword")
-            return self._woven_forward(hidden_states, handoff, kwargs), kwargs.get("context")
+                raise TypeError(f"{type(self).__name__} takes the layer's arguments by keyword")
+            out = self._woven_forward(hidden_states, handoff, kwargs)
         except BaseException:
             if handoff is not None:
                 handoff.wait()  # the predecessor's rows are complete even when this layer fails
             raise
+        return (out, kwargs.get("context")) if self._returns_context else out
 
     def _woven_forward(
-        self, x: torch.Tensor, handoff: Handoff | None, attn_kwargs: dict[str, Any]
+        self, x: torch.Tensor, handoff: Handoff | None, layer_kwargs: dict[str, Any]
     ) -> torch.Tensor:
         cfg, group = self.tokenweave_config, self.tp_group
-        sp, is_moe = bool(self.config.sequence_parallel), moe.is_moe(self.mlp)
+        stages = self._stages()
+        sp, is_moe = bool(self.config.sequence_parallel), any(s.is_moe for s in stages)
         (world, rank), hidden = self._tp, x.shape[-1]
         chunks = world if sp else 1
         rows = x.shape[0] * x.shape[1] * chunks  # tokens of the whole forward
         comm = get_communicator(group, cfg.max_tokens, hidden, x.dtype, x.device, cfg.backend)
         comm.check_capacity(rows)
-        first, last = handoff is None, self._chain.successor(self) is None
+        successor = self._chain.successor(self)
+        first, last = handoff is None, successor is None
         if first:  # once per forward of a block: a failure recorded by an earlier one
             comm.raise_if_failed()
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -197,8 +229,9 @@ class TokenWeaveTransformerLayer(TransformerLayer):
                      "mechanism (the expert layer computes its partial sums itself)")
             plan = dataclasses.replace(plan, comm="fused")
         halves = plan_halves(rows // chunks, cfg, plan.split)
-        if is_moe:  # before anything is launched
-            moe.check_capacity(self.mlp, [chunks * h.rows for h in halves])
+        for stage in stages:  # before anything is launched
+            if stage.is_moe:
+                moe.check_capacity(stage.mixer, [chunks * h.rows for h in halves])
         # The copy-engine mirror and the GEMM-fused inbox are made eagerly: Megatron warms up
         # eagerly, then captures with the CUDA-graph table, so the first forward makes them when
         # that table can pick the mechanism too.
@@ -211,14 +244,17 @@ class TokenWeaveTransformerLayer(TransformerLayer):
             comm.prepare_gemm()
         step = WovenForward(x, world, rank, sp, comm, plan, halves,
                             self._chain.side_stream(x.device), validate=not self._validated)
-        inputs = step.inputs(handoff, self.input_layernorm, group, x)
-        next_norm = None if last else norm_weight_eps_in(
-            self._chain.successor(self).input_layernorm, x.dtype)
-        attn = step.attention(self.self_attention, _attention_kwargs(attn_kwargs), inputs,
-                              norm_weight_eps_in(self.pre_mlp_layernorm, x.dtype))
-        mlp = step.mlp(self.mlp, attn, next_norm)
+        inputs = step.inputs(handoff, self.first_norm(), group, x)
+        residual = step.residual_in
+        for k, stage in enumerate(stages):
+            following = (getattr(self, stages[k + 1].norm_name) if k + 1 < len(stages)
+                         else None if last else successor.first_norm())
+            next_norm = None if following is None else norm_weight_eps_in(following, x.dtype)
+            ops = step.stage(stage, inputs, residual, next_norm, stage.mixer_kwargs(layer_kwargs),
+                             site=self.layer_number * 2 + k)
+            inputs, residual = ops.ops, step.residual_out
         defer = not last and cfg.defer_across_layers and not self._layer_graphs()
-        handed = step.hand_off(mlp, defer)
+        handed = step.hand_off(ops, defer)
         if last:  # queued after every op of the block, captured into graphs with it
             comm.record_errors()
         else:
@@ -229,7 +265,7 @@ class TokenWeaveTransformerLayer(TransformerLayer):
     def _capturable(self) -> bool:
         """Whether a CUDA graph can capture this layer (not an MoE layer whose dispatcher
         copies token counts to the host)."""
-        return not moe.is_moe(self.mlp) or moe.padded(self.mlp)
+        return all(moe.padded(s.mixer) for s in self._stages() if s.is_moe)
 
     def _layer_graphs(self) -> bool:
         """Megatron captures this layer in CUDA graphs of its own (it gave the layer a
@@ -241,22 +277,37 @@ class TokenWeaveTransformerLayer(TransformerLayer):
         return hasattr(self, "cudagraph_manager")
 
 
-_ATTENTION_KEYS = (
-    "attention_mask",
-    "inference_context",
-    "rotary_pos_emb",
-    "rotary_pos_cos",
-    "rotary_pos_sin",
-    "rotary_pos_cos_sin",
-    "attention_bias",
-    "packed_seq_params",
-    "sequence_len_offset",
-)
+def seal_chain(config: Any) -> None:
+    """The next layer built with `config` starts a chain of its own: a stack calls this once
+    its layers are built, so no hand-off crosses its end (a pipeline stage's last layer)."""
+    if getattr(config, CHAIN_ATTR, None) is not None:
+        object.__setattr__(config, CHAIN_ATTR, None)
 
 
-def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The layer's keyword arguments that SelfAttention.forward takes."""
-    kwargs = dict(kwargs)
-    if kwargs.get("inference_context") is None and kwargs.get("inference_params") is not None:
-        kwargs["inference_context"] = kwargs["inference_params"]
-    return {k: kwargs[k] for k in _ATTENTION_KEYS if k in kwargs}
+class TokenWeaveTransformerLayer(WovenLayer, TransformerLayer):
+    """TransformerLayer: GPTModel layers (attention + MLP or MoE), hybrid '*' (attention) and
+    'G' (gated delta net) layers."""
+
+
+class TokenWeaveMLPLayer(WovenLayer, MLPLayer):
+    """MLPLayer: a hybrid stack's '-' layer (one dense MLP stage)."""
+
+
+class TokenWeaveMoETransformerLayer(WovenLayer, MoETransformerLayer):
+    """MoETransformerLayer: a hybrid stack's 'E' layer (one MoE stage)."""
+
+
+class TokenWeaveMambaLayer(WovenLayer, MambaLayer):
+    """MambaLayer: a hybrid stack's 'M' layer (one Mamba-2 stage: its scan runs on all rows,
+    in_proj and out_proj per half)."""
+
+    _returns_context = False
+
+
+# The woven counterpart of each Megatron layer class a stack builds.
+WOVEN_LAYERS: dict[type, type] = {
+    TransformerLayer: TokenWeaveTransformerLayer,
+    MLPLayer: TokenWeaveMLPLayer,
+    MoETransformerLayer: TokenWeaveMoETransformerLayer,
+    MambaLayer: TokenWeaveMambaLayer,
+}

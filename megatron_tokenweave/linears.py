@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,10 @@ class Weave:
     gemm(i, x, half, weight, bias): row-parallel only, the GEMM-fused mechanism: computes half
         i (rows `half` of every chunk of x [chunks, rows, in]) with the communicating GEMM
         instead of writing `partials` (bias: the one to add, or None).
+
+    A weave runs once, on exactly the rows its halves cover: a mixer that called its linear
+    twice in one stage, or on other rows, would have its halves launched on the wrong data, so
+    either is an error.
     """
 
     chunks: int
@@ -60,12 +64,25 @@ class Weave:
     after: Callable[[int], None] | None = None
     add_bias: bool = False
     gemm: Callable[[int, torch.Tensor, Half, torch.Tensor, torch.Tensor | None], None] | None = None
+    used: bool = field(default=False, init=False)
+
+    def _input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x as [chunks, rows, features], once, with the rows the halves cover."""
+        rows = self.halves[-1].offset + self.halves[-1].rows
+        if self.used or x.numel() != self.chunks * rows * x.shape[-1]:
+            raise RuntimeError(
+                f"TokenWeave: {type(module).__name__} was called "
+                f"{'twice' if self.used else f'on {x.numel() // x.shape[-1]} rows'} in one woven "
+                f"stage, which plans one call on {self.chunks * rows} rows; this mixer cannot "
+                "be woven")
+        self.used = True
+        return x.reshape(self.chunks, rows, x.shape[-1])
 
     def column(self, module: torch.nn.Module,
                x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight, bias = module.weight, _bias(module)
         skip = bool(getattr(module, "skip_bias_add", False))
-        x3 = x.reshape(self.chunks, -1, x.shape[-1])
+        x3 = self._input(module, x)
         use_bias = None if skip else bias
         out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
         for i, half in enumerate(self.halves):
@@ -79,7 +96,7 @@ class Weave:
 
     def row(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         weight, bias = module.weight, _bias(module)
-        x3 = x.reshape(self.chunks, -1, x.shape[-1])
+        x3 = self._input(module, x)
         for i, half in enumerate(self.halves):
             if self.before is not None:
                 self.before(i)
@@ -147,8 +164,16 @@ try:  # TE flavour: only where TransformerEngine imports (never on CPU machines)
 
         _woven_role = "row"
 
-    HAVE_TE = True
+    HAVE_TE_LINEARS = True
 except Exception:  # noqa: BLE001 - any TE import failure means "no TE flavour"
     WovenTEColumnParallelLinear = None  # type: ignore[assignment,misc]
     WovenTERowParallelLinear = None  # type: ignore[assignment,misc]
-    HAVE_TE = False
+    HAVE_TE_LINEARS = False
+
+
+def te_available() -> bool:
+    """Whether TransformerEngine imports here, and with it the TE flavour (never true on our
+    CPU machines)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE) and HAVE_TE_LINEARS

@@ -1,4 +1,6 @@
-"""Llama-shaped GPT models with random weights, for tests, examples and benchmarks."""
+"""Llama-shaped models with random weights, for tests, examples and benchmarks: GPTModel (a
+decoder of attention + MLP layers) and Megatron's HybridModel (a stack of single-mixer layers
+described by a pattern: `*-*-` is the same decoder as a 2-layer GPTModel)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -112,9 +115,11 @@ def clear_attention_backend_env() -> None:
 
 
 def build_gpt(
-    config: TransformerConfig, spec: ModuleSpec, vocab: int, max_seq: int, tied: bool = False
+    config: TransformerConfig, spec: ModuleSpec, vocab: int, max_seq: int, tied: bool = False,
+    **kwargs: Any,
 ) -> GPTModel:
-    """A GPTModel with RoPE (embeddings tied to the output layer when `tied`), in eval mode."""
+    """A GPTModel with RoPE (embeddings tied to the output layer when `tied`), in eval mode
+    (kwargs: pre_process/post_process, ... as GPTModel takes them)."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -122,8 +127,46 @@ def build_gpt(
         max_sequence_length=max_seq,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=tied,
+        **kwargs,
     )
     return model.eval()
+
+
+def pattern_layers(pattern: str) -> int:
+    """The layers of a hybrid pattern (`*-|*-` has 4): the config's num_layers."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    main = parse_hybrid_pattern(pattern).main_pattern or ""
+    return sum(symbol in Symbols.VALID_LAYERS for symbol in main)
+
+
+def build_hybrid(config: TransformerConfig, spec: ModuleSpec, vocab: int, max_seq: int,
+                 pattern: str, tied: bool = False, **kwargs: Any) -> HybridModel:
+    """A HybridModel of `pattern` with RoPE, in eval mode (kwargs: pre_process/post_process,
+    pg_collection, ... as HybridModel takes them)."""
+    model = HybridModel(
+        config=config,
+        hybrid_stack_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=max_seq,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
+        **kwargs,
+    )
+    return model.eval()
+
+
+def stock_hybrid_stack_spec(use_te: bool) -> ModuleSpec:
+    """Megatron's hybrid stack spec (TE), or where TE does not import its local-module form
+    (megatron_tokenweave.hybrid.local_hybrid_stack_spec)."""
+    if use_te:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+        return hybrid_stack_spec
+    from megatron_tokenweave.hybrid import local_hybrid_stack_spec
+
+    return local_hybrid_stack_spec()
 
 
 def stock_layer_spec(shape: Shape, use_te: bool) -> ModuleSpec:
@@ -164,6 +207,41 @@ def stock_and_tokenweave(
         config = llama_config(shape, num_layers, tp, **config_overrides)
         stock = build_gpt(config, stock_spec, shape.vocab, max_seq)
         woven = build_gpt(config, tw_spec, shape.vocab, max_seq)
+    if gpu:
+        stock, woven = stock.cuda(), woven.cuda()
+    woven.load_state_dict(stock.state_dict(), strict=True)
+    return stock, woven
+
+
+def stock_and_tokenweave_hybrid(
+    shape: Shape,
+    pattern: str,
+    tp: int,
+    tokenweave_config: Any = None,
+    use_te: bool | None = None,
+    max_seq: int = 4096,
+    moe_dispatch: str = "allgather",
+    **config_overrides: Any,
+) -> tuple[HybridModel, HybridModel]:
+    """(stock, tokenweave) HybridModels of `shape` and `pattern` with the same (random) weights:
+    Megatron's hybrid_stack_spec and the TokenWeave TE flavour when `use_te` (default: when TE
+    imports), else their local forms; MoE shapes' experts dispatched by `moe_dispatch`. On a GPU
+    both are bf16 CUDA models; on a CPU-only machine fp32 CPU models."""
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+    from megatron_tokenweave.hybrid import get_hybrid_stack_tokenweave_spec
+    from megatron_tokenweave.spec import te_available
+
+    gpu = torch.cuda.is_available()
+    use_te = te_available() if use_te is None else use_te
+    if gpu:
+        config_overrides = dict(bf16=True, params_dtype=torch.bfloat16, **config_overrides)
+    with cpu_device_scope():
+        config = llama_config(shape, pattern_layers(pattern), tp, moe_dispatch,
+                              is_hybrid_model=True, **config_overrides)
+        stock = build_hybrid(config, stock_hybrid_stack_spec(use_te), shape.vocab, max_seq,
+                             pattern)
+        woven = build_hybrid(config, get_hybrid_stack_tokenweave_spec(use_te, tokenweave_config),
+                             shape.vocab, max_seq, pattern)
     if gpu:
         stock, woven = stock.cuda(), woven.cuda()
     woven.load_state_dict(stock.state_dict(), strict=True)

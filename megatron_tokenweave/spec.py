@@ -1,10 +1,13 @@
-"""Layer specs: Megatron's own GPT layer spec (TE or local) with the TokenWeave substitutions.
+"""Specs: Megatron's own GPT layer spec (TE or local) with the TokenWeave substitutions, and the
+ready specs Megatron-LM's `--spec` names (GPT layers here, hybrid stacks from
+megatron_tokenweave.hybrid).
 
 Specs are data: we take the stock spec and replace, by name, the layer class, the two norms and
 the four tensor-parallel linears. Everything else (attention core, activation, bias-dropout-add,
 q/k norms, MoE) stays what Megatron chose. Usable as
 `GPTModel(transformer_layer_spec=tokenweave_spec)` and from Megatron-LM as
-`--spec megatron_tokenweave.spec tokenweave_spec`.
+`--spec megatron_tokenweave.spec tokenweave_spec`; a HybridModel takes
+`tokenweave_hybrid_stack_spec` (`--spec megatron_tokenweave.spec tokenweave_hybrid_stack_spec`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from megatron.core.transformer.transformer_block import (
 
 from megatron_tokenweave import linears
 from megatron_tokenweave.config import TokenWeaveConfig
-from megatron_tokenweave.layer import TokenWeaveTransformerLayer
+from megatron_tokenweave.hybrid import get_hybrid_stack_tokenweave_spec
+from megatron_tokenweave.layer import WOVEN_LAYERS
+from megatron_tokenweave.linears import te_available
 from megatron_tokenweave.norm import TokenWeaveNorm
 
 # Stock checkpoints name the norms after the TE linears they are fused into; keep those keys.
@@ -34,13 +39,6 @@ NORM_KEYS_MAP = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
-
-
-def te_available() -> bool:
-    """Whether TransformerEngine imports here (never true on our CPU machines)."""
-    from megatron.core.extensions.transformer_engine import HAVE_TE
-
-    return bool(HAVE_TE) and linears.HAVE_TE
 
 
 def _replace_submodules(spec: ModuleSpec, **changes: Any) -> ModuleSpec:
@@ -99,9 +97,12 @@ def get_gpt_layer_tokenweave_spec(
         mlp=_replace_mlp(sub.mlp, column, row),
         sharded_state_dict_keys_map={**sub.sharded_state_dict_keys_map, **NORM_KEYS_MAP},
     )
+    if stock.module not in WOVEN_LAYERS:
+        raise TypeError(f"Megatron's spec builds {stock.module.__name__}, which has no woven "
+                        "counterpart")
     return dataclasses.replace(
         layer,
-        module=TokenWeaveTransformerLayer,
+        module=WOVEN_LAYERS[stock.module],
         params={**layer.params, "tokenweave_config": tokenweave_config},
     )
 
@@ -135,16 +136,19 @@ def get_gpt_decoder_block_tokenweave_spec(
     )
 
 
+# Ready specs, module attributes because Megatron-LM's `--spec <module> <name>` reads the
+# module's namespace (`vars(module)[name]`): TE flavour where TransformerEngine imports, else
+# local; the explicitly TE ones only where it imports.
+tokenweave_spec = get_gpt_layer_tokenweave_spec()
+tokenweave_local_spec = get_gpt_layer_tokenweave_spec(False)
+tokenweave_hybrid_stack_spec = get_hybrid_stack_tokenweave_spec()
+tokenweave_hybrid_local_stack_spec = get_hybrid_stack_tokenweave_spec(False)
+if te_available():
+    tokenweave_te_spec = get_gpt_layer_tokenweave_spec(True)
+    tokenweave_hybrid_te_stack_spec = get_hybrid_stack_tokenweave_spec(True)
+
+
 def __getattr__(name: str) -> ModuleSpec:
-    """`tokenweave_spec` (TE when importable, else local), `tokenweave_local_spec`,
-    `tokenweave_te_spec`: ready specs, built on first access (Megatron-LM's --spec)."""
-    builders = {
-        "tokenweave_spec": lambda: get_gpt_layer_tokenweave_spec(),
-        "tokenweave_local_spec": lambda: get_gpt_layer_tokenweave_spec(False),
-        "tokenweave_te_spec": lambda: get_gpt_layer_tokenweave_spec(True),
-    }
-    if name not in builders:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    spec = builders[name]()
-    globals()[name] = spec
-    return spec
+    if name in ("tokenweave_te_spec", "tokenweave_hybrid_te_stack_spec"):
+        raise ImportError(f"{name} needs TransformerEngine, which does not import here")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

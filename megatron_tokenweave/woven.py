@@ -1,26 +1,28 @@
-"""One woven forward of one layer, as its schedule reads (DESIGN.md's timeline):
+"""One woven forward of one layer: its mixer stages (megatron_tokenweave.stages) in order, as
+the schedule reads (DESIGN.md's timeline, here for a GPTModel layer: attention + MLP):
 
     main stream                          side stream
-    qkv(A)                               fused op(B) of the previous layer's MLP (deferred)
+    qkv(A)                               fused op(B) of the previous layer's last stage (deferred)
     qkv(B), attention (whole), proj(A)
-    proj(B)                              fused op(A): all-reduce + add + pre-MLP RMSNorm
+    proj(B)                              fused op(A): all-reduce + add + the MLP stage's RMSNorm
     MLP(A)                               fused op(B)
     MLP(B)                               fused op(A): all-reduce + add + next layer's RMSNorm
                                          fused op(B) -> handed to the next layer
 
-A WovenForward holds what one forward needs (geometry, plan, halves, buffer views, side stream,
-communicator) and runs the steps: `inputs` (the hand-off or the input norm), `attention`, `mlp`,
-`hand_off`. Every fused op starts through `launch`, called once per half as that half's
-row-parallel partial sum is queued (the row linear's `after`; the MoE expert layer's end). The
-linears receive their per-half plans through one mechanism: linears.weaving(). With the
-GEMM-fused mechanism the row linears run `row_gemm` (the communicating GEMM) and `launch` starts
-its consumer.
+A hybrid layer is one stage: its fused ops normalize for the next layer's stage, so the chain of
+stages runs across layers the same way. A WovenForward holds what one forward needs (geometry,
+plan, halves, buffer views, side stream, communicator) and runs the steps: `inputs` (the hand-off
+or the input norm), `stage` once per mixer stage, `hand_off`. Every fused op starts through
+`launch`, called once per half as that half's row-parallel partial sum is queued (the row
+linear's `after`; the MoE expert layer's end). The linears receive their per-half plans through
+one mechanism: linears.weaving(). With the GEMM-fused mechanism the row linears run `row_gemm`
+(the communicating GEMM) and `launch` starts its consumer.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,18 +36,22 @@ from megatron_tokenweave.ops.segments import Segments, half_segments
 from megatron_tokenweave.ops.validate import Layout, phases_apply
 from megatron_tokenweave.policy import Plan
 from megatron_tokenweave.schedule import Half, Handoff, Pending, SideStream
+from megatron_tokenweave.stages import MixerStage
 
 Norm = tuple[torch.Tensor, float]  # (weight, eps) of an RMSNorm the fused op applies
 
 
 @dataclass
-class Stage:
-    """The fused op after one row-parallel linear: the residual rows it adds, the norm it
-    applies (None: add only), its CTAs beside the other half, and each half's pending op."""
+class Ops:
+    """The fused ops after one stage's row-parallel linear: the residual rows they add, the
+    norm they apply (None: add only), their CTAs beside the other half, the stage's place in
+    the model (`site`: its ops are calls site * 2 + half, the same on every rank) and each
+    half's pending op."""
 
     residual: torch.Tensor
     norm: Norm | None
     ctas: int
+    site: int
     ops: list[Pending] = field(default_factory=list)
 
 
@@ -87,6 +93,7 @@ class WovenForward:
         # takes the same), and the SMs the GEMM leaves to the other half's op.
         self.gemm_segments: list[Segments | None] = [None] * len(halves)
         self.gemm_ctas = gemm_ctas(comm, plan, self.split) if self.fused_gemm else 0
+        self.site = 0  # the stage running (`stage`): its calls are site * 2 + half
 
     @property
     def fused_gemm(self) -> bool:
@@ -94,28 +101,28 @@ class WovenForward:
         return self.plan.comm == "gemm"
 
     # ------------------------------------------------------------------ the one launch
-    def launch(self, stage: Stage, i: int) -> None:
+    def launch(self, ops: Ops, i: int) -> None:
         """Half i's fused op: on the main stream when unsplit, else on the side stream; the
         copy-engine op there only moves the rows, its reduction waits for the consumer."""
         rows = slice(self.halves[i].offset, self.halves[i].offset + self.halves[i].rows)
-        weight, eps = stage.norm if stage.norm is not None else (None, 0.0)
+        weight, eps = ops.norm if ops.norm is not None else (None, 0.0)
         run = functools.partial(
-            self.comm.allreduce_rmsnorm, self.partials[i], stage.residual[rows], weight, eps,
+            self.comm.allreduce_rmsnorm, self.partials[i], ops.residual[rows], weight, eps,
             self.residual_out[rows], self.halves[i].of(self.normed) if weight is not None else None,
             self.layout, comm=self.plan.comm, segments=self.gemm_segments[i], set_index=i,
-            validate=self.validate)
+            call=ops.site * 2 + i, validate=self.validate)
         if not self.split:
             run(ctas=self.plan.comm_ctas_alone)
-            stage.ops.append(Pending())
+            ops.ops.append(Pending())
         elif self.plan.comm == "copy_engine" and phases_apply(self.layout, weight):
             with self.side.run():
-                run(ctas=stage.ctas, phase="transfer")
-            stage.ops.append(Pending(self.side.record(),
-                                     functools.partial(run, ctas=stage.ctas, phase="reduce")))
+                run(ctas=ops.ctas, phase="transfer")
+            ops.ops.append(Pending(self.side.record(),
+                                     functools.partial(run, ctas=ops.ctas, phase="reduce")))
         else:
             with self.side.run():
-                run(ctas=stage.ctas)
-            stage.ops.append(Pending(self.side.record()))
+                run(ctas=ops.ctas)
+            ops.ops.append(Pending(self.side.record()))
 
     def row_gemm(self, i: int, x: torch.Tensor, rows: Half, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> None:
@@ -127,7 +134,7 @@ class WovenForward:
                             chunk_stride=x.shape[1])
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
-                           ctas=self.gemm_ctas, validate=self.validate)
+                           ctas=self.gemm_ctas, call=self.site * 2 + i, validate=self.validate)
 
     # ------------------------------------------------------------------ the steps
     def inputs(self, handoff: Handoff | None, input_norm: torch.nn.Module,
@@ -150,51 +157,53 @@ class WovenForward:
             self.normed[0].copy_(local)
         return tuple(Pending() for _ in self.halves)
 
-    def attention(self, attention: torch.nn.Module, kwargs: Mapping[str, Any],
-                  inputs: tuple[Pending, ...], pre_mlp_norm: Norm) -> Stage:
-        """qkv per half as its input arrives, attention whole, proj per half, each proj half's
-        fused op (+ the pre-MLP norm) launched as soon as it is queued."""
-        stage = Stage(self.residual_in, pre_mlp_norm, self.plan.comm_ctas_attn)
-        plans = {
-            attention.linear_qkv: Weave(self.chunks, self.halves,
-                                        before=lambda i: inputs[i].wait()),
-            attention.linear_proj: Weave(self.chunks, self.halves, partials=self.partials,
-                                         add_bias=self.rank == 0,
-                                         after=lambda i: self.launch(stage, i),
-                                         gemm=self.row_gemm if self.fused_gemm else None),
-        }
-        with weaving(plans):
-            attention(self.normed.view(self.chunks * self.s_local, self.batch, -1), **kwargs)
-        return stage
-
-    def mlp(self, mlp: torch.nn.Module, attn: Stage, next_norm: Norm | None) -> Stage:
-        """The MLP half by half, each waiting for its post-attention op; each half's fused op
-        (+ the next layer's input norm, when there is a next layer) launched as it is queued."""
-        stage = Stage(self.residual_out, next_norm, self.plan.comm_ctas_mlp)
+    def stage(self, stage: MixerStage, inputs: Sequence[Pending], residual: torch.Tensor,
+              next_norm: Norm | None, kwargs: Mapping[str, Any], site: int) -> Ops:
+        """One mixer stage over the normed rows, each half's fused op (residual add + the next
+        stage's norm, or add only where none follows) launched as soon as that half's partial
+        sum is queued. Token-wise mixers run half by half, each half after its input arrived;
+        the others run their core on all rows, their first linear per half as its input
+        arrives and their last linear per half. `site`: the stage's place in the model, the
+        same on every rank (Ops)."""
+        self.site = site
+        ops = Ops(residual, next_norm,
+                  self.plan.comm_ctas_mlp if stage.tokenwise else self.plan.comm_ctas_attn,
+                  site)
+        if not stage.tokenwise:
+            plans = {
+                stage.column: Weave(self.chunks, self.halves, before=lambda i: inputs[i].wait()),
+                stage.row: Weave(self.chunks, self.halves, partials=self.partials,
+                                 add_bias=self.rank == 0, after=lambda i: self.launch(ops, i),
+                                 gemm=self.row_gemm if self.fused_gemm else None),
+            }
+            with weaving(plans):
+                stage.mixer(self.normed.view(self.chunks * self.s_local, self.batch, -1),
+                            **kwargs)
+            return ops
         for i, half in enumerate(self.halves):
-            attn.ops[i].wait()
+            inputs[i].wait()
             x = half.of(self.normed)
-            if moe.is_moe(mlp):
-                moe.moe_partial(mlp, x, self.partials[i])
-                self.launch(stage, i)
+            if stage.is_moe:
+                moe.moe_partial(stage.mixer, x, self.partials[i])
+                self.launch(ops, i)
                 continue
             whole = (Half(0, x.shape[1]),)
             plans = {
-                mlp.linear_fc1: Weave(self.chunks, whole),
-                mlp.linear_fc2: Weave(self.chunks, whole, partials=(self.partials[i],),
-                                      add_bias=self.rank == 0,
-                                      after=lambda _, i=i: self.launch(stage, i),
-                                      gemm=(lambda _, *args, i=i: self.row_gemm(i, *args))
-                                      if self.fused_gemm else None),
+                stage.column: Weave(self.chunks, whole),
+                stage.row: Weave(self.chunks, whole, partials=(self.partials[i],),
+                                 add_bias=self.rank == 0,
+                                 after=lambda _, i=i: self.launch(ops, i),
+                                 gemm=(lambda _, *args, i=i: self.row_gemm(i, *args))
+                                 if self.fused_gemm else None),
             }
             with weaving(plans):
-                mlp(x)
-        return stage
+                stage.mixer(x)
+        return ops
 
-    def hand_off(self, mlp: Stage, defer: bool) -> Handoff:
+    def hand_off(self, last: Ops, defer: bool) -> Handoff:
         """What the next layer receives: this layer's output, its normed input and, per half,
-        the op still writing them (joined here unless `defer`)."""
-        pending = tuple(mlp.ops)
+        the op of the layer's last stage still writing them (joined here unless `defer`)."""
+        pending = tuple(last.ops)
         if not defer:
             for op in pending:
                 op.wait()

@@ -39,11 +39,11 @@ def _in_rank(rank: int, world: int, threads: int | None, fn, *args: Any) -> Any:
     return fn(rank, world, *args)
 
 
-def setup_tp(world: int) -> None:
-    """Megatron's parallel state at TP=world (call once per spawned rank)."""
+def setup_tp(world: int, pipeline: int = 1) -> None:
+    """Megatron's parallel state at TP=world / pipeline (call once per spawned rank)."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
-    initialize_model_parallel(world)
+    initialize_model_parallel(world // pipeline, pipeline_model_parallel_size=pipeline)
 
 
 @contextlib.contextmanager
@@ -68,23 +68,46 @@ def record_fused_calls() -> Iterator[list[tuple[int, int]]]:
 
 
 @contextlib.contextmanager
+def record_norms() -> Iterator[list[tuple[int | None, int]]]:
+    """(norm weight's data_ptr, or None for add-only; the call number the kernels check) of
+    every fused op the woven layers make, once per op."""
+    from megatron_tokenweave.communicator import Communicator
+
+    weights: list[tuple[int | None, int]] = []
+    original = Communicator.allreduce_rmsnorm
+
+    def recording(self, partial, residual, weight, *args, **kwargs):
+        if kwargs.get("phase", "whole") != "transfer":
+            weights.append((None if weight is None else weight.data_ptr(), kwargs.get("call")))
+        return original(self, partial, residual, weight, *args, **kwargs)
+
+    Communicator.allreduce_rmsnorm = recording
+    try:
+        yield weights
+    finally:
+        Communicator.allreduce_rmsnorm = original
+
+
+@contextlib.contextmanager
 def record_gemm_calls() -> Iterator[list[tuple]]:
-    """Record the GEMM-fused mechanism's calls in order: ("gemm", set, row0, rows, total) for
-    each communicating GEMM (Communicator.row_gemm) and ("reduce", set, row0, rows, total) for
-    each consumer (allreduce_rmsnorm with comm="gemm")."""
+    """Record the GEMM-fused mechanism's calls in order: ("gemm", set, row0, rows, total, call)
+    for each communicating GEMM (Communicator.row_gemm) and ("reduce", set, row0, rows, total,
+    call) for each consumer (allreduce_rmsnorm with comm="gemm"); `call`: the call number
+    the kernels check."""
     from megatron_tokenweave.communicator import Communicator
 
     calls: list[tuple] = []
     gemm, fused = Communicator.row_gemm, Communicator.allreduce_rmsnorm
 
     def row_gemm(self, x, weight, bias, seg, set_index, **kwargs):
-        calls.append(("gemm", set_index, seg.row0, seg.rows, seg.total))
+        calls.append(("gemm", set_index, seg.row0, seg.rows, seg.total, kwargs.get("call", 0)))
         return gemm(self, x, weight, bias, seg, set_index, **kwargs)
 
     def allreduce(self, *args, **kwargs):
         seg = kwargs.get("segments")
         if kwargs.get("comm") == "gemm" and seg is not None:
-            calls.append(("reduce", kwargs.get("set_index", 0), seg.row0, seg.rows, seg.total))
+            calls.append(("reduce", kwargs.get("set_index", 0), seg.row0, seg.rows, seg.total,
+                          kwargs.get("call", 0)))
         return fused(self, *args, **kwargs)
 
     Communicator.row_gemm, Communicator.allreduce_rmsnorm = row_gemm, allreduce
@@ -120,10 +143,11 @@ def causal_mask(seq: int) -> torch.Tensor:
 
 def build_model(spec_kind: str, shape, layers: int, world: int, tokenweave_config=None,
                 max_seq: int = 2048, tied: bool = False, spec_kwargs: dict | None = None,
-                **config_overrides: Any):
+                model_kwargs: dict | None = None, **config_overrides: Any):
     """A GPTModel with the stock local spec ("stock"), the tokenweave layer spec ("tokenweave")
     or the tokenweave decoder block spec ("tokenweave_block"); in eval mode, on the CPU.
-    spec_kwargs go to Megatron's spec function (e.g. num_experts)."""
+    spec_kwargs go to Megatron's spec function (e.g. num_experts), model_kwargs to GPTModel
+    (pre_process, post_process)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_tokenweave.cpu_compat import cpu_device_scope
@@ -149,16 +173,52 @@ def build_model(spec_kind: str, shape, layers: int, world: int, tokenweave_confi
             )
         else:
             raise ValueError(spec_kind)
-        return build_gpt(config, spec, shape.vocab, max_seq, tied=tied)
+        return build_gpt(config, spec, shape.vocab, max_seq, tied=tied, **(model_kwargs or {}))
+
+
+def build_hybrid_model(spec_kind: str, shape, pattern: str, world: int, tokenweave_config=None,
+                       max_seq: int = 2048, spec=None, model_kwargs: dict | None = None,
+                       **config_overrides: Any):
+    """A HybridModel of `pattern` on the CPU: the stock hybrid stack on Megatron's local modules
+    ("stock", megatron_tokenweave.hybrid.local_hybrid_stack_spec) or the TokenWeave hybrid stack
+    spec, local flavour ("tokenweave"), unless `spec` is given; in eval mode. model_kwargs go to
+    HybridModel (pre_process, post_process)."""
+    from megatron_tokenweave.cpu_compat import cpu_device_scope
+    from megatron_tokenweave.hybrid import get_hybrid_stack_tokenweave_spec, local_hybrid_stack_spec
+    from megatron_tokenweave.models import build_hybrid, llama_config, pattern_layers
+
+    if spec is None:
+        if spec_kind == "stock":
+            spec = local_hybrid_stack_spec()
+        elif spec_kind == "tokenweave":
+            spec = get_hybrid_stack_tokenweave_spec(False, tokenweave_config)
+        else:
+            raise ValueError(spec_kind)
+    with cpu_device_scope():
+        config = llama_config(shape, pattern_layers(pattern), world, is_hybrid_model=True,
+                              **config_overrides)
+        return build_hybrid(config, spec, shape.vocab, max_seq, pattern, **(model_kwargs or {}))
+
+
+def same_router_on_every_rank_(model: torch.nn.Module) -> None:
+    """Router weights are replicated across TP ranks in any checkpoint; Megatron's random CPU init
+    draws them per rank, so make them equal as a loaded model has them."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".router." in name:
+                dist.broadcast(param, src=0)
 
 
 def randomize_norms_(model: torch.nn.Module, seed: int) -> None:
     """Random norm weights around 1 (they start as all ones), the same on every rank (norm weights
-    are replicated across TP ranks). The linears keep Megatron's random init, sharded by rank."""
+    are replicated across TP ranks): every `*layernorm*` parameter and every `*norm.weight`.
+    The linears keep Megatron's random init, sharded by rank."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if "layernorm" in name:
+            if "layernorm" in name or name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
 
 

@@ -126,3 +126,15 @@ def test_interleaved_timing_balances_places_and_predecessors(n):
     after = Counter(pair for order in orders for pair in zip(order[:-1], order[1:], strict=True))
     assert len(after) == n * (n - 1) and len(set(after.values())) <= 1
     assert balanced_orders([]) == []
+
+
+def test_call_check_plot_draws_from_a_result(tmp_path):
+    """The call-check benchmark's plot, from a result of its schema (synthetic rows)."""
+    from megatron_tokenweave.bench import call_check
+
+    rows = [dict(tp=tp, tokens=t, hidden=h, max_err=0.0, check_on_us=5.0 + 0.01 * t,
+                 check_off_us=5.0, cost=0.002 * t / 256)
+            for tp in (2, 4) for h in (4096, 8192) for t in (8, 64, 256)]
+    path = tmp_path / "call_check.png"
+    call_check._plot({"gpu": "test", "date": "2026-12-02", "rows": rows}, str(path))
+    assert path.stat().st_size > 1000

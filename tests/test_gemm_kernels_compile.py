@@ -8,14 +8,18 @@ every warp, so warp 0, which alone stores flags, holds all of them."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import re
 from typing import Any
 
 import pytest
 import torch
+from _dist import run_ranks
 
 triton = pytest.importorskip("triton")
-pytest.importorskip("triton.experimental.gluon")
+if importlib.util.find_spec("triton.experimental.gluon") is None:
+    pytest.skip("Triton without Gluon", allow_module_level=True)
 
 from megatron_tokenweave.ops.segments import LARGE, PINGPONG, SMALL, WIDE  # noqa: E402
 
@@ -51,10 +55,7 @@ def _range_layout(ttgir: str, n: int) -> str:
     return definition.group(1)
 
 
-@pytest.mark.parametrize("dtype", list(TYPES))
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tiles", [LARGE, WIDE, SMALL], ids=["large", "wide", "small"])
-def test_one_consumer_kernel_compiles_for_sm90(tiles, bias, dtype):
+def _one_consumer_asm(tiles: Any, bias: bool, dtype: torch.dtype) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from megatron_tokenweave.kernels.owner_gemm import _owner_gemm_kernel as fn
@@ -66,18 +67,10 @@ def test_one_consumer_kernel_compiles_for_sm90(tiles, bias, dtype):
     sig, attrs = _signature(fn, {
         "a_desc": f"tensordesc<{t}[{tiles.block_rows}, {tiles.block_k}]>",
         "b_desc": f"tensordesc<{t}[{tiles.block_cols}, {tiles.block_k}]>"}, dtype, consts)
-    asm = _compile(ASTSource(fn, sig, consts, attrs), tiles.warps, tiles.stages)
-    ptx = asm["ptx"]
-    assert "wgmma.mma_async" in ptx
-    assert "st.global.v4" in ptx
-    assert ptx.count("fence.acq_rel.sys") == 1
-    lanes = _range_layout(asm["ttgir"], 32)
-    assert "sizePerThread = [1]," in lanes and "threadsPerWarp = [32]," in lanes, lanes
+    return _compile(ASTSource(fn, sig, consts, attrs), tiles.warps, tiles.stages)
 
 
-@pytest.mark.parametrize("dtype", list(TYPES))
-@pytest.mark.parametrize("bias", [False, True])
-def test_pingpong_kernel_compiles_for_sm90(bias, dtype):
+def _pingpong_asm(bias: bool, dtype: torch.dtype) -> dict[str, Any]:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -96,7 +89,47 @@ def test_pingpong_kernel_compiles_for_sm90(bias, dtype):
     consts = dict(HAS_BIAS=bias, GROUP_M=t.group_rows, STAGES=t.stages, RELEASE=True)
     sig, attrs = _signature(fn, {"a_desc": desc(t.block_rows), "b_desc": desc(t.block_cols)},
                             dtype, consts)
-    ptx = _compile(GluonASTSource(fn, sig, consts, attrs), t.warps)["ptx"]
+    return _compile(GluonASTSource(fn, sig, consts, attrs), t.warps)
+
+
+TILES = {"large": LARGE, "wide": WIDE, "small": SMALL}
+
+
+def _compile_all(rank: int, world: int) -> dict[tuple, dict[str, str]]:
+    """Every variant's PTX and TTGIR, compiled in a rank of its own: Triton's Gluon bindings
+    then live and die in that process (which exits without the interpreter's teardown, where
+    nanobind reports the objects Triton keeps for the process's life)."""
+    out = {}
+    for dtype, bias in itertools.product(TYPES, (False, True)):
+        for name, tiles in TILES.items():
+            asm = _one_consumer_asm(tiles, bias, dtype)
+            out[("one", name, bias, dtype)] = {k: asm[k] for k in ("ptx", "ttgir")}
+        out[("pingpong", bias, dtype)] = {"ptx": _pingpong_asm(bias, dtype)["ptx"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def assembly() -> dict[tuple, dict[str, str]]:
+    return run_ranks(_compile_all, world=1)[0]
+
+
+@pytest.mark.parametrize("dtype", list(TYPES))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tiles", list(TILES))
+def test_one_consumer_kernel_compiles_for_sm90(assembly, tiles, bias, dtype):
+    asm = assembly[("one", tiles, bias, dtype)]
+    ptx = asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "st.global.v4" in ptx
+    assert ptx.count("fence.acq_rel.sys") == 1
+    lanes = _range_layout(asm["ttgir"], 32)
+    assert "sizePerThread = [1]," in lanes and "threadsPerWarp = [32]," in lanes, lanes
+
+
+@pytest.mark.parametrize("dtype", list(TYPES))
+@pytest.mark.parametrize("bias", [False, True])
+def test_pingpong_kernel_compiles_for_sm90(assembly, bias, dtype):
+    ptx = assembly[("pingpong", bias, dtype)]["ptx"]
     assert "wgmma.mma_async" in ptx
     assert "setmaxnreg" in ptx  # the partitions really are warp-specialized
     assert "st.global.v4" in ptx

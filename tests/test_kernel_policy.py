@@ -1,9 +1,13 @@
 """CPU tests of the host-side kernel policy: multimem is never chosen unless everything allows it,
-and the kernel package imports without a GPU."""
+the kernel package imports without a GPU, the Python mirrors of the CUDA constants and enums,
+the error words' messages, and the call tags."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import pathlib
+import re
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from megatron_tokenweave.kernels.policy import (
     multicast_disabled_reason,
     select_backend,
 )
-from megatron_tokenweave.kernels.symmetric import SymmetricBuffer
+from megatron_tokenweave.kernels.symmetric import ERROR_WORDS, SymmetricBuffer
 from megatron_tokenweave.ops.validate import TokenWeaveInputError
 
 KILL = {
@@ -103,7 +107,7 @@ class _StubBuffer:
     rank, timeout_s = 0, 10.0
 
     def __init__(self):
-        self.words = torch.zeros(4, dtype=torch.int32)
+        self.words = torch.zeros(ERROR_WORDS, dtype=torch.int32)
 
     def error_words(self):
         return self.words
@@ -118,9 +122,9 @@ def test_kernel_timeout_raises_from_the_copied_error_words():
     from megatron_tokenweave.communicator import Communicator
 
     comm = object.__new__(Communicator)
-    comm.symmetric, comm._errors = _StubBuffer(), torch.zeros(4, dtype=torch.int32)
+    comm.symmetric, comm._errors = _StubBuffer(), torch.zeros(ERROR_WORDS, dtype=torch.int32)
     comm.raise_if_failed()  # nothing recorded yet
-    comm._errors.copy_(torch.tensor([1, 1, 3, 42]))  # as copied after a kernel timed out
+    comm._errors.copy_(torch.tensor([1, 1, 3, 42, 0, 0, 0, 0]))  # copied after a timeout
     with pytest.raises(RuntimeError, match=r"peer rank 1 never arrived at the START barrier "
                        r"\(CTA 3, epoch/round 42, timeout 10.0 s\)"):
         comm.raise_if_failed()
@@ -205,3 +209,75 @@ def test_error_names_the_copy_engine_barrier_slots():
     assert "(CTA 5," in stub.describe_error(1, 1, 5, 7)
     assert "(copy-engine op, START/END," in stub.describe_error(1, 1, max_ctas, 7)
     assert "(copy-engine op, MID," in stub.describe_error(1, 1, max_ctas + 1, 7)
+
+
+def test_a_call_mismatch_names_the_peer_and_both_calls():
+    """kCallMismatch (a peer published another call's tag or epoch): the message names the peer,
+    the slot, both epochs and both tags, and says no rows were combined; raise_if_failed
+    raises it from the copied words."""
+    from megatron_tokenweave.communicator import Communicator, KernelFailure
+    from megatron_tokenweave.kernels.symmetric import CALL_MISMATCH
+
+    header = pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave/signal.cuh"
+    text = header.read_text()
+    assert re.search(rf"kCallMismatch = {CALL_MISMATCH},", text)
+    assert re.search(rf"kErrorWords = {ERROR_WORDS},", text)
+    comm = object.__new__(Communicator)
+    comm.symmetric, comm._errors = _StubBuffer(), torch.zeros(ERROR_WORDS, dtype=torch.int32)
+    comm._errors.copy_(torch.tensor([CALL_MISMATCH, 3, 9, 41, 42, 0x1234, 0x77, 0]))
+    with pytest.raises(KernelFailure, match=r"peer rank 3 is on another call \(CTA or row block "
+                       r"9: its epoch/round 42, tag 0x77; this rank's 41, tag 0x1234\).*no rows "
+                       r"of the two calls were combined"):
+        comm.raise_if_failed()
+
+
+def test_call_tags_name_the_call_and_its_shape():
+    """call_tag: nonzero 32-bit, the same for the same call and shape in every process (the
+    ranks compute it apart), different for another call number or shape; the GEMM-fused
+    mechanism's 15-bit inbox tag is gemm_reduce.cuh's formula, in 1..0x7FFF."""
+    import subprocess
+    import sys
+
+    from megatron_tokenweave.kernels import call_tag
+    from megatron_tokenweave.kernels.owner_protocol import inbox_tag
+
+    tags = {call_tag(call, *shape) for call in range(64) for shape in ((0, 16, 1, 8, 4096, 1),
+                                                                        (0, 16, 1, 9, 4096, 1))}
+    assert len(tags) == 128 and all(0 < t <= 0xFFFFFFFF for t in tags)
+    code = "from megatron_tokenweave.kernels import call_tag; print(call_tag(7, 0, 16, 1, 9, 64))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert int(other.stdout.split()[-1]) == call_tag(7, 0, 16, 1, 9, 64)
+    cuh = (pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave/gemm_reduce.cuh")
+    assert "return tag % 0x7fffu + 1u;" in cuh.read_text()
+    assert {inbox_tag(t) for t in (0, 1, 0x7FFE, 0x7FFF, 0xFFFFFFFF)} <= set(range(1, 0x8000))
+    assert inbox_tag(0x7FFF) == 1 and inbox_tag(5) == 6
+
+
+def test_the_op_path_codes_mirror_the_cuda_enum():
+    """The op's `path` codes (the SM kernels, the copy-engine op whole or in its two phases) are
+    csrc/ops.cu's Path enum."""
+    from megatron_tokenweave.kernels import comm
+
+    text = (pathlib.Path(__file__).parents[1] / "csrc/ops.cu").read_text()
+    enum = dict(re.findall(r"(kPath\w+) = (\d+),", text))
+    assert comm._PATH_CODES == {("sm", "whole"): int(enum["kPathSm"]),
+                                ("copy_engine", "whole"): int(enum["kPathCopyEngine"]),
+                                ("copy_engine", "transfer"): int(enum["kPathCopyEngineTransfer"]),
+                                ("copy_engine", "reduce"): int(enum["kPathCopyEngineReduce"])}
+
+
+def test_segment_geometry_is_the_consumers_list():
+    """Segments.geometry: the six numbers csrc/ops.cu's SegmentGeometry reads, in its order."""
+    from megatron_tokenweave.ops.segments import segments
+    from megatron_tokenweave.ops.validate import Layout
+
+    seg = segments(Layout.REPLICATED, 2, 777, hidden=8192, k=4096, ctas=132, set_index=1,
+                   first_set_rows=777)
+    geometry = seg.geometry(1, 8192)
+    assert geometry == [1, seg.row0, seg.rows, seg.tiles.block_rows,
+                        seg.tiles.col_tiles(8192), int(seg.release == "consumer")]
+    text = (pathlib.Path(__file__).parents[1] / "csrc/ops.cu").read_text()
+    assert "const SegmentGeometry g{list[0], list[1], list[2], list[3], list[4], list[5] != 0};" \
+        in text
+    assert "int64_t set, row0, seg_rows, block_rows, col_tiles;" in text

@@ -16,6 +16,7 @@ from _dist import (
     record_fused_calls,
     rel_err,
     run_ranks,
+    same_router_on_every_rank_,
     setup_tp,
 )
 
@@ -78,24 +79,13 @@ def test_qwen_qkv_bias_matches_stock(world):
         assert calls == 2 * 2 * LAYERS, f"{case}: fused op ran {calls} times"
 
 
-def _same_router_on_every_rank_(model: torch.nn.Module) -> None:
-    """Router weights are replicated across TP ranks in any checkpoint; Megatron's random CPU init
-    draws them per rank, so make them equal as a loaded model has them."""
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".router." in name:
-                dist.broadcast(param, src=0)
-
-
 def _moe(rank: int, world: int) -> list[tuple]:
     setup_tp(world)
     shape = dataclasses.replace(TINY[world], experts=4, topk=2, ffn=96)
     tokens = torch.randint(0, shape.vocab, MOE_TOKENS[world],
                            generator=torch.Generator().manual_seed(6))
     return [
-        (dispatch, sp, *_compare(shape, world, sp, tokens, _same_router_on_every_rank_,
+        (dispatch, sp, *_compare(shape, world, sp, tokens, same_router_on_every_rank_,
                                  spec_kwargs={"num_experts": 4}, moe_dispatch=dispatch))
         for dispatch in MOE_DISPATCH
         for sp in (False, True)
@@ -157,7 +147,7 @@ def test_moe_policy_names_what_it_cannot_weave():
     assert "expert parallelism" in moe.unsupported_reason(layer(allgather))
 
 
-def test_the_layer_checks_its_structure_once_and_the_experts_padding_every_call(monkeypatch):
+def test_the_layer_checks_its_structure_once_and_the_experts_padding_every_call():
     """Megatron's engines switch the experts' padding (dispatcher drop-and-pad, capacity factor)
     between prefill and decode steps: the layer must ask the MoE layer on every call, while its
     configuration and module types are checked once."""
@@ -166,7 +156,7 @@ def test_the_layer_checks_its_structure_once_and_the_experts_padding_every_call(
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     from megatron_tokenweave import layer as layer_module
-    from megatron_tokenweave import moe
+    from megatron_tokenweave.stages import MixerStage
 
     Layer = layer_module.TokenWeaveTransformerLayer
     dispatcher = object.__new__(MoEAlltoAllTokenDispatcher)
@@ -176,9 +166,9 @@ def test_the_layer_checks_its_structure_once_and_the_experts_padding_every_call(
                              moe_router_topk=2, expert_tensor_parallel_size=None,
                              tensor_model_parallel_size=2)
     mlp = SimpleNamespace(config=config, token_dispatcher=dispatcher, use_shared_expert=False)
-    monkeypatch.setattr(moe, "is_moe", lambda m: m is mlp)
     checks = []
-    fake = SimpleNamespace(_tp=(2, 0), mlp=mlp,
+    stages = (MixerStage("moe", "pre_mlp_layernorm", mlp, None, None),)
+    fake = SimpleNamespace(_tp=(2, 0), mlp=mlp, _stages=lambda: stages,
                            _check_structure=lambda: checks.append(1))  # returns None: fine
     fake._structure_reason = lambda: Layer._structure_reason(fake)
     x = torch.zeros(3, 1, 16, dtype=torch.bfloat16)

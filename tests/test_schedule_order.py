@@ -10,10 +10,11 @@ fused op log themselves, and the test asserts the dependencies the GPU relies on
   events before the block returns;
 - on the copy-engine data path (replicated layout) the side stream carries only each op's
   transfer, and its reduction runs on the main stream after the wait for that transfer, before
-  the first GEMM that reads the half (never beside a GEMM).
+  the first GEMM that reads the half (never beside a GEMM);
+- in a hybrid stack (one stage a layer) the same chain runs from layer to layer.
 
-Both are checked at TP=2, 4 and 8 (the parameter of both tests: one job per TP size records the
-two schedules); at TP=4 and 8 with the "tiny-tp8" shape, whose heads and query groups divide 8.
+All are checked at TP=2, 4 and 8 (the parameter of the tests: one job per TP size records the
+schedules); at TP=4 and 8 with the "tiny-tp8" shape, whose heads and query groups divide 8.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import itertools
 
 import pytest
 import torch
-from _dist import build_model, forward, run_ranks, setup_tp
+from _dist import build_hybrid_model, build_model, forward, run_ranks, setup_tp
 
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.models import SHAPES
@@ -33,14 +34,21 @@ SHAPE = {2: SHAPES["tiny"], 4: SHAPES["tiny-tp8"], 8: SHAPES["tiny-tp8"]}  # by 
 WORLDS = tuple(SHAPE)
 
 
-def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40) -> list[tuple]:
+def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40,
+            pattern: str | None = None) -> list[tuple]:
+    """The schedule of one forward of a GPTModel of LAYERS layers, or of a HybridModel of
+    `pattern`, split forced."""
     import megatron_tokenweave.linears as linears_mod
     from megatron_tokenweave.communicator import Communicator
     from megatron_tokenweave.schedule import SideStream
 
     cfg = TokenWeaveConfig(split_threshold=0, split_align=1, comm=comm, tuning_table="none")
-    model = build_model("tokenweave_block", SHAPE[world], LAYERS, world, cfg,
-                        sequence_parallel=sp)
+    if pattern is None:
+        model = build_model("tokenweave_block", SHAPE[world], LAYERS, world, cfg,
+                            sequence_parallel=sp)
+    else:
+        model = build_hybrid_model("tokenweave", SHAPE[world], pattern, world, cfg,
+                                   sequence_parallel=sp)
     names = {p.data_ptr(): n for n, p in model.named_parameters()}
     log: list[tuple] = []
     counter = itertools.count()
@@ -101,18 +109,23 @@ def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40) 
     return log
 
 
-def _record_both(rank: int, world: int) -> tuple[list[tuple], list[tuple]]:
-    """The two schedules the tests read, recorded in one job: the fused op with sequence
-    parallelism (40 tokens: halves of 20 / world rows a shard) and the copy-engine data path,
-    replicated (41 tokens: halves of 20 and 21 rows at every TP size)."""
+HYBRID = "*-*-"
+
+
+def _record_all(rank: int, world: int) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """The schedules the tests read, recorded in one job: the fused op with sequence
+    parallelism (40 tokens: halves of 20 / world rows a shard), the copy-engine data path,
+    replicated (41 tokens: halves of 20 and 21 rows at every TP size), and the hybrid stack
+    HYBRID with sequence parallelism."""
     setup_tp(world)
-    return _record(world), _record(world, "copy_engine", False, 41)
+    return (_record(world), _record(world, "copy_engine", False, 41),
+            _record(world, pattern=HYBRID))
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"tp{w}" for w in WORLDS])
-def logs(request) -> tuple[list[tuple], list[tuple]]:
-    """Rank 0's two recordings at TP=param."""
-    return run_ranks(_record_both, world=request.param)[0]
+def logs(request) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """Rank 0's recordings at TP=param."""
+    return run_ranks(_record_all, world=request.param)[0]
 
 
 def _split_layers(log):
@@ -222,3 +235,36 @@ def test_copy_engine_reduction_runs_on_the_main_stream_before_its_consumer(logs)
             assert not mlp_reduces, entries
         assert len(reduces) == (2 if index else 0) + 2 + (2 if last else 0), entries
         handed_off = events[2:]
+
+
+def test_the_chain_runs_across_hybrid_layers(logs):
+    """A hybrid stack `*-*-` (one stage a layer): each layer queues one fused op per half on the
+    side stream, right after that half's row-parallel GEMM (linear_proj, linear_fc2), each
+    followed by its event; the next layer's first GEMM of a half (linear_qkv, linear_fc1) is
+    issued right after waiting for that half's event of the layer before; every op but the last
+    layer's applies a norm, and the stack's last layer joins its events before it returns."""
+    layers = _split_layers(logs[2])
+    assert len(layers) == len(HYBRID)
+    handed_off: list[str] | None = None
+    for index, (symbol, entries) in enumerate(zip(HYBRID, layers, strict=True)):
+        last = index == len(HYBRID) - 1
+        column, row = ("linear_qkv", "linear_proj") if symbol == "*" else ("linear_fc1",
+                                                                            "linear_fc2")
+        fused = [i for i, e in enumerate(entries) if e[0] == "fused"]
+        assert len(fused) == 2 and all(entries[i][1] == "side" for i in fused), entries
+        assert [entries[i][2] for i in fused] == [last, last], entries  # add only at the end
+        assert all(entries[i + 1][0] == "record" for i in fused), entries
+        events = [entries[i + 1][1] for i in fused]
+        gemms = [(i, e[1]) for i, e in enumerate(entries) if e[0] == "gemm"]
+        firsts = [i for i, name in gemms if column in name]
+        rows = [i for i, name in gemms if row in name]
+        assert len(firsts) == len(rows) == 2, entries
+        assert [entries[i + 1][0] for i in rows] == ["fused", "fused"], entries
+        if handed_off is not None:
+            for half, gemm_at in enumerate(firsts):
+                waits = [e[1] for e in entries[:gemm_at] if e[0] == "wait"]
+                assert waits and waits[-1] == handed_off[half], (index, half, entries)
+        if last:
+            tail_waits = [e[1] for e in entries[fused[-1]:] if e[0] == "wait"]
+            assert set(events) <= set(tail_waits), entries
+        handed_off = events

@@ -1,6 +1,7 @@
 """Megatron's inference stack with the TokenWeave spec on 2 gloo ranks (TP=2, fp32, reference
 path): the static engine's greedy generations and the Flask text generation server's answers
-over real HTTP equal those of the stock local spec with the same weights; the server answers
+over real HTTP equal those of the stock local spec with the same weights (GPTModel), and of the
+stock hybrid stack (HybridModel); the server answers
 malformed requests with HTTP 400, a request that fails inside the engine with HTTP 500, and
 keeps serving. The request guard's verdicts are checked one by one in-process.
 
@@ -14,7 +15,14 @@ import os
 
 import pytest
 import torch
-from _dist import build_model, randomize_norms_, record_fused_calls, run_ranks, setup_tp
+from _dist import (
+    build_hybrid_model,
+    build_model,
+    randomize_norms_,
+    record_fused_calls,
+    run_ranks,
+    setup_tp,
+)
 from _serving import arm_engine_fault, check_server_answers, serve_and_query
 
 from megatron_tokenweave.config import TokenWeaveConfig
@@ -47,6 +55,9 @@ def _megatron_assertion_then_greedy(engine) -> tuple[str, list[list[int]]]:
     return error, generated_tokens(again)
 
 
+HYBRID = "*-*-*-"  # the same decoder as LAYERS GPT layers, as a HybridModel of one stage a layer
+
+
 def _serving_worker(rank: int, world: int) -> dict:
     from megatron_tokenweave.cpu_compat import cpu_inference_scope
     from megatron_tokenweave.serving.engines import generated_tokens, greedy, static_engine
@@ -58,10 +69,16 @@ def _serving_worker(rank: int, world: int) -> dict:
     randomize_norms_(stock, seed=11)
     woven = build_model("tokenweave", SHAPE, LAYERS, world, tw_config, max_seq=MAX_SEQ)
     woven.load_state_dict(stock.state_dict(), strict=True)
+    hybrid_stock = build_hybrid_model("stock", SHAPE, HYBRID, world, max_seq=MAX_SEQ)
+    randomize_norms_(hybrid_stock, seed=12)
+    hybrid_woven = build_hybrid_model("tokenweave", SHAPE, HYBRID, world, tw_config,
+                                      max_seq=MAX_SEQ)
+    hybrid_woven.load_state_dict(hybrid_stock.state_dict(), strict=True)
     tokenizer = ByteTokenizer(SHAPE.vocab)
     out: dict = {}
     with cpu_inference_scope():
-        for name, model in (("stock", stock), ("tokenweave", woven)):
+        for name, model in (("stock", stock), ("tokenweave", woven),
+                            ("hybrid_stock", hybrid_stock), ("hybrid_tokenweave", hybrid_woven)):
             arm_engine_fault(model)
             engine = static_engine(model, tokenizer, MAX_BATCH, MAX_SEQ)
             with record_fused_calls() as calls:
@@ -70,7 +87,8 @@ def _serving_worker(rank: int, world: int) -> dict:
                              text=[r.generated_text for r in requests], calls=list(calls))
             out[name]["http"] = serve_and_query(engine, 0, PROMPTS, NEW_TOKENS, MAX_BATCH,
                                                 MAX_SEQ)  # port 0: the system picks one
-            out[name]["after_assertion"] = _megatron_assertion_then_greedy(engine)
+            if not name.startswith("hybrid"):
+                out[name]["after_assertion"] = _megatron_assertion_then_greedy(engine)
     return out
 
 
@@ -117,6 +135,26 @@ def test_flask_server_matches_stock_and_refuses_malformed_requests(per_rank):
     collective)."""
     check_server_answers(per_rank[0]["stock"]["http"], per_rank[0]["tokenweave"]["http"],
                          per_rank[0]["tokenweave"]["tokens"], PROMPTS, MAX_BATCH, MAX_SEQ)
+
+
+def test_hybrid_model_serves_the_stock_hybrid_stacks_tokens(per_rank):
+    """A woven HybridModel (`*-*-*-`) through Megatron's static engine and its Flask server:
+    the stock hybrid stack's greedy tokens and text, and its HTTP answers (malformed requests
+    400, an engine failure 500, then served again); one fused op per layer per half, the decode
+    steps unsplit."""
+    for result in per_rank:
+        stock, woven = result["hybrid_stock"], result["hybrid_tokenweave"]
+        assert sum(len(t) for t in stock["tokens"]) >= NEW_TOKENS, stock["tokens"]
+        assert woven["tokens"] == stock["tokens"] and woven["text"] == stock["text"]
+        rows = len(PROMPTS) * min(len(p.encode()) for p in PROMPTS)
+        prefill = [(1, rows // 2), (1, rows - rows // 2)] * len(HYBRID) if rows >= THRESHOLD \
+            else [(1, rows)] * len(HYBRID)
+        assert woven["calls"][:len(prefill)] == prefill
+        assert set(woven["calls"][len(prefill):]) == {(1, len(PROMPTS))}
+        assert stock["calls"] == []
+    check_server_answers(per_rank[0]["hybrid_stock"]["http"],
+                         per_rank[0]["hybrid_tokenweave"]["http"],
+                         per_rank[0]["hybrid_tokenweave"]["tokens"], PROMPTS, MAX_BATCH, MAX_SEQ)
 
 
 def test_engine_keeps_serving_after_megatron_asserts(per_rank):

@@ -217,3 +217,78 @@ def test_te_style_state_dict_loads_into_norms_with_extra_state(single_rank_group
     given["pre_mlp_layernorm._extra_state"] = torch.tensor([9], dtype=torch.uint8)
     layer.load_state_dict(given, strict=True)
     assert layer.pre_mlp_layernorm.extra.tolist() == [9]
+
+
+def test_hybrid_stack_spec_substitutes_by_layer_type():
+    """The TokenWeave hybrid stack spec (local flavour without TE): each woven layer type gets
+    its woven layer class, its norm as a module of its own (TokenWeaveNorm), a plain woven
+    column linear where Megatron has the fused-norm linear and the woven row linear; the DSA,
+    MLA and MTP specs stay Megatron's."""
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from megatron_tokenweave import layer as layer_mod
+    from megatron_tokenweave.hybrid import TokenWeaveHybridStack, get_hybrid_stack_tokenweave_spec
+
+    cfg = TokenWeaveConfig(split_threshold=5)
+    spec = get_hybrid_stack_tokenweave_spec(False, cfg)
+    sub, stock = spec.submodules, hybrid_stack_spec.submodules
+    assert spec.module is TokenWeaveHybridStack and spec.params["final_norm"] is TokenWeaveNorm
+    woven = {
+        "attention_layer": (layer_mod.TokenWeaveTransformerLayer, "input_layernorm",
+                            "self_attention", "linear_qkv", "linear_proj"),
+        "mlp_layer": (layer_mod.TokenWeaveMLPLayer, "pre_mlp_layernorm", "mlp", "linear_fc1",
+                      "linear_fc2"),
+        "mamba_layer": (layer_mod.TokenWeaveMambaLayer, "norm", "mixer", "in_proj", "out_proj"),
+        "gdn_layer": (layer_mod.TokenWeaveTransformerLayer, "input_layernorm", "self_attention",
+                      "in_proj", "out_proj"),
+    }
+    for name, (cls, norm, mixer, column, row) in woven.items():
+        layer = getattr(sub, name)
+        assert layer.module is cls and layer.params["tokenweave_config"] is cfg, name
+        assert getattr(layer.submodules, norm) is TokenWeaveNorm, name
+        mixer_spec = getattr(layer.submodules, mixer)
+        mixer_sub = (mixer_spec.keywords["submodules"] if isinstance(mixer_spec, functools.partial)
+                     else mixer_spec.submodules)
+        assert getattr(mixer_sub, column) is WovenColumnParallelLinear, name
+        assert getattr(mixer_sub, row) is WovenRowParallelLinear, name
+        keys = layer.submodules.sharded_state_dict_keys_map
+        assert keys[f"{norm}."] == f"{mixer}.{column}.layer_norm_", name
+        stock_mixer = getattr(getattr(stock, name).submodules, mixer)
+        if not isinstance(mixer_spec, functools.partial):
+            assert mixer_spec.module is stock_mixer.module and \
+                mixer_spec.params == stock_mixer.params, name
+    moe = sub.moe_layer
+    assert moe.module is layer_mod.TokenWeaveMoETransformerLayer
+    assert moe.submodules.pre_mlp_layernorm is TokenWeaveNorm
+    for name in ("dsa_layer", "mla_layer", "mtp_block_spec"):
+        assert getattr(sub, name) is getattr(stock, name), name
+
+
+def test_megatron_lm_hybrid_spec_route_resolves():
+    """Megatron-LM's hybrid entry point imports `--spec <module> <name>` as its
+    hybrid_stack_spec: `megatron_tokenweave.spec tokenweave_hybrid_stack_spec` resolves (the
+    local flavour without TE), as do the package attribute and the explicit local flavour."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    from megatron_tokenweave.hybrid import TokenWeaveHybridStack
+
+    resolved = import_module(["megatron_tokenweave.spec", "tokenweave_hybrid_stack_spec"])
+    assert resolved.module is TokenWeaveHybridStack
+    assert resolved.submodules.attention_layer.submodules.input_layernorm is TokenWeaveNorm
+    assert megatron_tokenweave.tokenweave_hybrid_stack_spec is resolved
+    assert spec_mod.tokenweave_hybrid_local_stack_spec.module is TokenWeaveHybridStack
+    with pytest.raises(ImportError, match="TransformerEngine"):
+        megatron_tokenweave.get_hybrid_stack_tokenweave_spec(True)
+    with pytest.raises(ImportError, match="TransformerEngine"):
+        spec_mod.tokenweave_hybrid_te_stack_spec  # noqa: B018
+
+
+def test_megatron_lm_gpt_spec_route_resolves():
+    """Megatron-LM's GPT entry point reads `--spec megatron_tokenweave.spec tokenweave_spec` the
+    same way (`vars(module)[name]`, which a lazily built attribute would not satisfy)."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    for name in ("tokenweave_spec", "tokenweave_local_spec"):
+        resolved = import_module(["megatron_tokenweave.spec", name])
+        assert resolved is getattr(spec_mod, name)
+        assert resolved.module is TokenWeaveTransformerLayer

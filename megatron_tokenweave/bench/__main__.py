@@ -17,6 +17,7 @@ COMMANDS = {  # one line each in --help (80 columns)
     "split_cost": "what the token split costs the GEMMs (1 GPU)",
     "gemm_fused": "the communicating GEMM vs cuBLAS and TE's GEMM (1 GPU)",
     "gemm_pair": "row GEMM + all-reduce + norm per mechanism, split or not (2 GPUs)",
+    "call_check": "what checking every peer's call costs the one-shot path (1 GPU)",
 }
 
 

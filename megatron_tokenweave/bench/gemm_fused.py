@@ -77,9 +77,9 @@ def measure(model: str, tp: int, tokens: int, iters: int, cutlass: bool = False,
         out = torch.empty(tokens, n, device=dev, dtype=dtype)
         impls = {
             "cublas": lambda x, w=w, out=out: torch.matmul(x, w.t(), out=out),
-            "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms),
+            "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms, 1),
             **{f"tokenweave_release_{r}": lambda x, w=w, s=s: owner_gemm(x, w, None, inbox, s, 0,
-                                                                          sms)
+                                                                          sms, 1)
                for r, s in forced.items()},
         }
         te = _te_linear(k, n, w)

@@ -133,14 +133,16 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
                  norm: torch.Tensor | None, residual_out: torch.Tensor,
                  normed: torch.Tensor | None, side: SideStream, *, gemm: bool,
                  ctas: int | None = None, tiles: GemmTiles | None = None,
-                 release: str | None = None, validate: bool = True) -> list[Segments]:
+                 release: str | None = None, call: int = 0,
+                 validate: bool = True) -> list[Segments]:
     """One row-parallel linear and its fused op as the woven layer runs them, alone: per half
     its GEMM over rows `halves[i]` of every chunk of x [chunks, n, K] (gemm: the communicating
     GEMM on `ctas` CTAs, default the agreed SMs less CTAS_BESIDE when split, `tiles` and
     `release` forced, else the policy's; else torch.matmul into the communicator's buffer),
     then its op (on `side` when split, beside the next half's GEMM); residual, residual_out
-    [n, H], normed [chunks, n, H] (None without a norm). The segments each communicating GEMM
-    took, in half order."""
+    [n, H], normed [chunks, n, H] (None without a norm); half i's GEMM and op are call
+    `call` * 2 + i (as the layer numbers them). The segments each communicating GEMM took, in
+    half order."""
     chunks, world = x.shape[0], dist.get_world_size(comm.group)
     split = len(halves) > 1
     if ctas is None:
@@ -155,7 +157,7 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
                                 k=weight.shape[1], ctas=ctas, first=h.offset,
                                 chunk_stride=x.shape[1], tiles=tiles, release=release)
             comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i, validate=validate,
-                          ctas=ctas)
+                          ctas=ctas, call=call * 2 + i)
             taken.append(seg)
         else:
             gemm_into(h.of(x), weight, part)
@@ -165,7 +167,7 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
         args = (part, residual[rows], norm, EPS, residual_out[rows],
                 h.of(normed) if normed is not None else None, layout)
         op = dict(comm="gemm" if gemm else "fused", segments=seg, set_index=i,
-                  validate=validate)
+                  call=call * 2 + i, validate=validate)
         if not split:
             comm.allreduce_rmsnorm(*args, ctas=CTAS_ALONE, **op)
             continue

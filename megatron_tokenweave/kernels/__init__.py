@@ -13,6 +13,7 @@ from megatron_tokenweave.kernels.comm import (
     TWOSHOT_MIN_WORLD,
     KernelComm,
     KernelSettings,
+    call_tag,
     check_kernel_args,
     oneshot_applies,
     twoshot_applies,
@@ -26,11 +27,12 @@ from megatron_tokenweave.kernels.policy import (
     multimem_refusal,
     select_backend,
 )
-from megatron_tokenweave.kernels.symmetric import PeerBuffer, SymmetricBuffer
+from megatron_tokenweave.kernels.symmetric import ERROR_WORDS, PeerBuffer, SymmetricBuffer
 
 __all__ = [
     "CopyEngineMirror",
     "DEFAULT_CTAS",
+    "ERROR_WORDS",
     "MAX_CTAS",
     "MIN_CTAS",
     "MulticastBuffer",
@@ -45,6 +47,7 @@ __all__ = [
     "KernelUnavailableError",
     "SymmetricBuffer",
     "agreed_refusal",
+    "call_tag",
     "check_kernel_args",
     "is_available",
     "load_extension",

@@ -57,12 +57,12 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm")
     def _fused_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas, path,
-                    phase):
+                    tag):
         return None
 
     @torch.library.register_fake("tokenweave::gemm_reduce_rmsnorm")
     def _gemm_reduce_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas,
-                          set_index, row0, seg_rows, block_rows, col_tiles, publish):
+                          segments, tag):
         return None
 
 

@@ -1,11 +1,15 @@
 """The kernel level of the fused op: a C++ communicator over one symmetric buffer, held by handle.
 
 KernelComm creates the C++ object (csrc/ops.cu: comm_create) with the buffer's addresses and the
-protocol settings, and launches the op through it: `torch.ops.tokenweave.fused_allreduce_rmsnorm(
-handle, tensors, eps, ctas, path, phase)`. Settings that change the protocol (bulk pipeline,
-one-shot path, timeout, multicast) are fixed when it is created and must be the same on every
-rank; megatron_tokenweave.communicator agrees them collectively. Nothing here reads the
-environment, and a call takes no lock.
+protocol settings, and launches the ops through it: `torch.ops.tokenweave.
+fused_allreduce_rmsnorm(handle, tensors, eps, ctas, path, tag)` and the GEMM-fused consumer
+`gemm_reduce_rmsnorm(handle, tensors, eps, ctas, segments, tag)`. `tag` names the call
+(`call_tag`: the caller's call number hashed with the call's shape), and a peer whose kernel
+publishes another call's tag or epoch is an error (csrc/include/tokenweave/signal.cuh), never two
+calls' rows combined. Settings that change the protocol (bulk pipeline, one-shot path, timeout,
+multicast) are fixed when it is created and must be the same on every rank;
+megatron_tokenweave.communicator agrees them collectively. Nothing here reads the environment,
+and a call takes no lock.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_CTAS,
     MAX_HIDDEN,
-    PHASES,
     Layout,
     Phase,
     TokenWeaveInputError,
@@ -97,8 +100,20 @@ def _partial_outside(partial: torch.Tensor, buffer: PeerBuffer,
         f"{partial.numel() * partial.element_size()} bytes) is not inside {region}")
 
 
-# The op's `path` argument (csrc/ops.cu Path): SM-driven kernels, or the copy-engine op.
+# The op's data paths (csrc/ops.cu Path): SM-driven kernels, or the copy-engine op.
 PATHS = ("sm", "copy_engine")
+# The op's `path` argument by (path, phase): the copy-engine op whole or one of its phases.
+_PATH_CODES = {("sm", "whole"): 0, ("copy_engine", "whole"): 1,
+               ("copy_engine", "transfer"): 2, ("copy_engine", "reduce"): 3}
+
+
+def call_tag(call: int, *signature: int) -> int:
+    """The 32-bit, nonzero tag of a call: the caller's number for it (`call`: the same on every
+    rank for the same call, e.g. the woven layer's layer, stage and half) and the call's shape
+    (`signature`), so ranks whose calls diverged publish different tags. Python's hash of a
+    tuple of ints, which is the same in every process (hash randomization covers str and bytes
+    only)."""
+    return hash((call, *signature)) & 0xFFFFFFFF or 1
 
 
 @dataclass(frozen=True)
@@ -112,18 +127,22 @@ class KernelSettings:
         else every rank pulls every row).
     local_stores_only: benchmark diagnostic (results are WRONG): sequence-parallel normed rows
         are stored locally only, which measures what the remote stores cost.
+    check_calls: the kernels check the call tags (a peer on another call is an error); off only
+        to measure what the check costs (a benchmark diagnostic: ranks whose calls diverged
+        may then combine rows of two calls).
     """
 
     bulk: bool = True
     oneshot: bool = True
     local_stores_only: bool = False
     twoshot: bool = True
+    check_calls: bool = True
 
     @property
     def flags(self) -> int:
         """comm_create's flag bits (csrc/ops.cu Flags)."""
         return (int(self.bulk) | int(self.oneshot) << 1 | int(self.local_stores_only) << 2
-                | int(self.twoshot) << 3)
+                | int(self.twoshot) << 3 | int(self.check_calls) << 4)
 
 
 class KernelComm:
@@ -158,7 +177,7 @@ class KernelComm:
     def run(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
             eps: float, residual_out: torch.Tensor, normed_out: torch.Tensor | None,
             layout: Layout, *, ctas: int = DEFAULT_CTAS, path: str = "sm",
-            phase: Phase = "whole", validate: bool = True) -> None:
+            phase: Phase = "whole", call: int = 0, validate: bool = True) -> None:
         """y = sum_p partial_p[chunk] + residual -> residual_out; RMSNorm(y) * weight -> normed_out.
 
         Same contract as ops.reference.fused_allreduce_rmsnorm_reference (ops/validate.py), on the
@@ -170,29 +189,42 @@ class KernelComm:
         phase: on the copy-engine path, "transfer" issues only the pull of the peers' rows (with
         its barriers) and "reduce" only the local reduction + norm, which must follow the
         transfer in stream order; "whole" both.
+        call: the caller's number for this call, the same on every rank (call_tag).
         validate: check the arguments in Python first (the op's C++ checks always run).
         """
         if validate:
             self._check(partial, residual, weight, residual_out, normed_out, layout, ctas, path,
                         phase)
+        code = _PATH_CODES[path, phase]
+        tag = call_tag(call, code, ctas, *partial.shape, weight is not None)
         self._op(self.handle, partial, residual, weight, float(eps), residual_out, normed_out,
-                 ctas, PATHS.index(path), PHASES.index(phase))
+                 ctas, code, tag)
+
+    def gemm_tag(self, call: int, seg: Segments, set_index: int, hidden: int) -> int:
+        """The tag a GEMM-fused call's GEMM and consumer share (0: the check is off, as the
+        consumer then sees it)."""
+        if not self.settings.check_calls:
+            return 0
+        return call_tag(call, set_index, seg.first, seg.step, seg.rows, seg.total, seg.row0,
+                        hidden)
 
     def reduce_owned(self, partial: torch.Tensor, residual: torch.Tensor,
                      weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
                      normed_out: torch.Tensor | None, layout: Layout, seg: Segments,
-                     set_index: int, *, ctas: int = DEFAULT_CTAS, validate: bool = True) -> None:
+                     set_index: int, *, ctas: int = DEFAULT_CTAS, call: int = 0,
+                     validate: bool = True) -> None:
         """The GEMM-fused mechanism's consumer (gemm_reduce.cuh) for the call whose GEMM stored
-        `seg` into inbox set `set_index` (attach_inbox first): the fused op's contract for the
-        outputs; `partial` is the call's [chunks, rows, hidden] region of the buffer (replicated:
-        every owner's y rows land there). Where seg.release is "consumer", it first publishes
-        this rank's tiles of the GEMM before it on the stream."""
+        `seg` into inbox set `set_index` (attach_inbox first) with the same `call`: the fused
+        op's contract for the outputs; `partial` is the call's [chunks, rows, hidden] region of
+        the buffer (replicated: every owner's y rows land there). Where seg.release is
+        "consumer", it first publishes this rank's tiles of the GEMM before it on the stream."""
         if validate:
             check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
                               self.buffer, ctas)
+        hidden = partial.shape[-1]
         self._reduce_owned(self.handle, partial, residual, weight, float(eps), residual_out,
-                           normed_out, ctas, set_index, seg.row0, seg.rows, seg.tiles.block_rows,
-                           seg.tiles.col_tiles(partial.shape[-1]), seg.release == "consumer")
+                           normed_out, ctas, seg.geometry(set_index, hidden),
+                           self.gemm_tag(call, seg, set_index, hidden) or 1)
 
     def _check(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,

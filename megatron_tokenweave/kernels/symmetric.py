@@ -22,6 +22,8 @@ DEFAULT_TIMEOUT_S = 10.0
 _ALIGN = 256
 _ERRORS = {1: "START barrier", 2: "END barrier", 3: "one-shot exchange (its rows never came)",
            4: "GEMM-fused reduction (its GEMM tiles never came)"}
+CALL_MISMATCH = 5  # signal.cuh kCallMismatch: a peer published another call's tag or epoch
+ERROR_WORDS = 8  # signal.cuh kErrorWords: code, peer, slot, epoch, peer epoch, tag, peer tag
 # Barrier slots of the signal pad (signal.cuh): one per CTA index (kMaxCtas), then the
 # copy-engine op's two (START/END, MID).
 _CTA_SLOTS = MAX_CTAS
@@ -135,25 +137,36 @@ class PeerBuffer:
 
     # -- errors -------------------------------------------------------------------------------
     def error_words(self) -> torch.Tensor:
-        """The device's (code, peer, cta, epoch) error words (int32 view, no copy)."""
+        """The device's ERROR_WORDS error words (int32 view, no copy): code, peer, slot (CTA,
+        row block or barrier slot), this rank's epoch (or round), and for a call mismatch the
+        peer's epoch, this call's tag and the peer's."""
         if self.signal is None:
             raise RuntimeError("this buffer has no header (made with header=False): no error words")
-        return self.signal.view(torch.int32)[:4]  # SignalPad begins with error[4] (signal.cuh)
+        return self.signal.view(torch.int32)[:ERROR_WORDS]  # SignalPad begins with error[]
 
-    def error(self) -> tuple[int, int, int, int]:
-        """(code, peer, cta, epoch) recorded by a kernel that timed out; syncs the device."""
+    def error(self) -> tuple[int, ...]:
+        """The error words recorded by a kernel that gave up (all 0: none); syncs the device."""
         torch.cuda.synchronize(self.device)
-        code, peer, cta, epoch = (int(x) for x in self.error_words().cpu().tolist())
-        return code, peer, cta, epoch
+        return tuple(int(x) for x in self.error_words().cpu().tolist())
 
-    def describe_error(self, code: int, peer: int, cta: int, epoch: int) -> str | None:
+    def describe_error(self, code: int, peer: int, slot: int, epoch: int, peer_epoch: int = 0,
+                       tag: int = 0, peer_tag: int = 0, *_: int) -> str | None:
         """The message for error words read from the device (None when there is no error)."""
         if not code:
             return None
-        where = f"row block {cta}" if code == 4 else _SLOT_NAMES.get(cta, f"CTA {cta}")
+        where = f"row block {slot}" if code == 4 else _SLOT_NAMES.get(slot, f"CTA {slot}")
+        if code == CALL_MISMATCH:
+            where = _SLOT_NAMES.get(slot, f"CTA or row block {slot}")
+            mask = 0xFFFFFFFF
+            return (
+                f"tokenweave kernel on rank {self.rank}: peer rank {peer} is on another call "
+                f"({where}: its epoch/round {peer_epoch & mask}, tag {peer_tag & mask:#x}; this "
+                f"rank's {epoch & mask}, tag {tag & mask:#x}); the ranks' calls diverged, and "
+                "no rows of the two calls were combined (this rank's outputs are NaN)"
+            )
         return (
             f"tokenweave kernel on rank {self.rank}: peer rank {peer} never arrived at the "
-            f"{_ERRORS.get(code, '?')} ({where}, epoch/round {epoch}, timeout "
+            f"{_ERRORS.get(code, '?')} ({where}, epoch/round {epoch & 0xFFFFFFFF}, timeout "
             f"{self.timeout_s} s); the ranks' calls diverged or a peer died"
         )
 

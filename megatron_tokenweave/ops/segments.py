@@ -139,6 +139,13 @@ class Segments:
         """Row blocks of a full segment (flags per source and column tile)."""
         return -(-self.rows // self.tiles.block_rows)
 
+    def geometry(self, set_index: int, hidden: int) -> list[int]:
+        """The consumer's view of the call (csrc/ops.cu SegmentGeometry): inbox set, its first
+        inbox row, rows of a segment, the GEMM's block rows and column tiles, and whether the
+        consumer publishes the tiles."""
+        return [set_index, self.row0, self.rows, self.tiles.block_rows,
+                self.tiles.col_tiles(hidden), int(self.release == "consumer")]
+
     def nonempty_blocks(self, world: int) -> int:
         """Row blocks holding rows, all segments together: segment c's are c * blocks() ...
         (every segment but the last non-empty one is full)."""

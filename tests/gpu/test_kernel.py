@@ -10,7 +10,10 @@
   protocol on every data path (the phased copy-engine op included), bf16 and fp16, against a
   locally computed expectation, and the timeout path: eagerly and under CUDA-graph replay (the
   serving arrangement), a peer that skips a call gives NaN outputs and a RuntimeError naming the
-  peer, the slot and the timeout.
+  peer, the slot and the timeout; and divergence: a rank that misses one call of a numbered
+  sequence, every path (one-shot, barrier / two-shot, sequence parallel, copy engine,
+  GEMM-fused), eagerly and under graph replay: every later output is right or NaN, never
+  wrong-but-finite, and every rank raises.
 All cases of a test run inside one spawned job (one extension load, one process group).
 """
 
@@ -581,6 +584,7 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     buf.close()
     _timeout_check(group, rank, dev)
     _failure_surfaces_under_graphs(group, rank, dev)
+    _divergence(group, rank, dev)
     print(f"[rank {rank}/{world}] one-GPU protocol OK: cases {t_cases:.1f}s, {LOOP_CALLS} "
           f"calls {t_loop:.1f}s", flush=True)
     dist.destroy_process_group()
@@ -599,3 +603,131 @@ def test_kernel_protocol_one_gpu(world):
     performance figure."""
     _kernels_or_skip()
     mp.spawn(_worker_one_gpu, args=(world, free_port()), nprocs=world, join=True)
+
+
+# A rank that misses one call (divergence): per data path, (name, layout, rows of a chunk, comm,
+# whether a peer on the other call is seen at once; the GEMM-fused consumer may time out first).
+DIVERGENCE_PATHS = (("one-shot", "replicated", 8, "fused", True),
+                    ("barrier / two-shot", "replicated", 1100, "fused", True),
+                    ("sequence parallel", "sequence_parallel", 64, "fused", True),
+                    ("copy engine", "replicated", 8, "copy_engine", True),
+                    ("GEMM-fused", "replicated", 300, "gemm", False),
+                    ("GEMM-fused, sequence parallel", "sequence_parallel", 64, "gemm", False))
+DIVERGENCE_CALLS, SKIPPED, SITES = 8, 2, 4  # calls i, the one the last rank misses, call numbers
+
+
+def _divergence(group, rank, dev) -> None:
+    """The last rank misses call SKIPPED of a sequence whose calls are numbered as a layer's
+    (i % SITES); every rank goes on calling. Every output of every call on every rank is then
+    correct or NaN, never wrong-but-finite, and every rank raises (a peer on another call, or
+    a timeout where a GEMM-fused consumer waits first); each path eagerly, and under CUDA-graph
+    replay (each rank's graph holds its own sequence: the last rank's lacks the call)."""
+    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "2"
+    for case, graphed in itertools.product(DIVERGENCE_PATHS, (False, True)):
+        _divergence_case(group, rank, dev, *case, graphed)
+    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
+
+
+def _divergence_case(group, rank, dev, name: str, layout_name: str, n: int, kind: str,
+                     at_once: bool, graphed: bool) -> None:
+    from megatron_tokenweave.communicator import Communicator, KernelFailure
+    from megatron_tokenweave.ops.segments import half_segments
+    from megatron_tokenweave.ops.validate import Layout
+    from megatron_tokenweave.schedule import Half
+
+    world, hidden, k, dtype = dist.get_world_size(group), 2048, 512, torch.bfloat16
+    missing = world - 1
+    layout = Layout(layout_name)
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    chunks = world if sp else 1
+    comm = Communicator(group, DIVERGENCE_CALLS * chunks * n + 8, hidden, dtype, dev, "kernel")
+    if kind == "copy_engine":
+        comm.prepare_copy_engine()
+    if kind == "gemm":
+        comm.prepare_gemm()
+    w = (1.0 + 0.1 * _gen(40, (hidden,), dtype, dev)).to(dtype)
+
+    def src(q: int, i: int):
+        """Rank q's partial of call i, or for comm="gemm" the GEMM's input and weight."""
+        if kind != "gemm":
+            return _gen(7000 + 100 * i + q, (chunks, n, hidden), dtype, dev)
+        return (_gen(9000 + 100 * i + q, (chunks * n, k), dtype, dev),
+                _gen(9500 + q, (hidden, k), dtype, dev) / k ** 0.5)
+
+    calls = []
+    for i in range(DIVERGENCE_CALLS):
+        residuals = [_gen(8000 + 10 * i + c, (n, hidden), dtype, dev) for c in range(chunks)]
+        parts = [(s[0].float() @ s[1].float().t()).to(dtype).view(chunks, n, hidden)
+                 if kind == "gemm" else s for s in (src(q, i) for q in range(world))]
+        y_all = [sum(p[c].float() for p in parts) + residuals[c].float() for c in range(chunks)]
+        normed = (comm.normed[i * chunks * n:(i + 1) * chunks * n].view(chunks, n, hidden)
+                  if sp else torch.empty(1, n, hidden, dtype=dtype, device=dev))
+        calls.append(dict(src=src(rank, i), residual=residuals[rank if sp else 0],
+                          out=torch.empty(n, hidden, dtype=dtype, device=dev), normed=normed,
+                          y=y_all[rank if sp else 0], y_all=y_all))
+    part = comm.partial[:chunks * n].view(chunks, n, hidden)
+    halves = (Half(0, n),)
+
+    def issue(i: int) -> None:
+        c = calls[i]
+        op = dict(ctas=4, comm=kind, call=i % SITES)
+        if kind == "gemm":
+            seg = half_segments(layout, world, halves, 0, hidden=hidden, k=k, ctas=8,
+                                chunk_stride=n)
+            x, wq = c["src"]
+            comm.row_gemm(x, wq, None, seg, 0, ctas=8, call=i % SITES)
+            op.update(segments=seg, set_index=0)
+        else:
+            part.copy_(c["src"])
+        comm.allreduce_rmsnorm(part, c["residual"], w, EPS, c["out"], c["normed"], layout, **op)
+
+    def run(skip: bool) -> None:
+        for i in range(DIVERGENCE_CALLS):
+            if not (skip and rank == missing and i == SKIPPED):
+                issue(i)
+        comm.record_errors()
+
+    def verdicts() -> list[str]:
+        """Per call: "ok" (within bf16 rounding of the expectation) or "nan" (every row
+        poisoned); anything else names a wrong-but-finite call."""
+        torch.cuda.synchronize()
+        out = []
+        for i, c in enumerate(calls):
+            if all(t.isnan().all() for t in (c["out"], *c["normed"])):
+                out.append("nan")
+                continue
+            try:
+                _check(c["out"], c["normed"], c["y"], c["y_all"], w, dtype, "")
+                out.append("ok")
+            except AssertionError:
+                out.append(f"WRONG call {i}")
+        return out
+
+    what = f"{name} graphed={graphed} rank {rank}/{world}"
+    run(False)  # in step: every call right (and the kernels compiled, the buffers made)
+    assert verdicts() == ["ok"] * DIVERGENCE_CALLS, what
+    comm.raise_if_failed()
+    dist.barrier(group)
+    for c in calls:  # poison: an unwritten output must not read as right
+        c["out"].fill_(float("nan"))
+        c["normed"].fill_(float("nan"))
+    graph = None
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(True)
+        for _ in range(2):
+            graph.replay()
+            seen = verdicts()
+            assert not [v for v in seen if v.startswith("WRONG")], (what, seen)
+    else:
+        run(True)
+        seen = verdicts()
+    assert not [v for v in seen if v.startswith("WRONG")], (what, seen)
+    assert "nan" in seen, (what, seen)
+    pattern = "is on another call" if at_once else "is on another call|never arrived"
+    with pytest.raises(KernelFailure, match=pattern):
+        comm.raise_if_failed()
+    dist.barrier(group)
+    del graph
+    comm.destroy()

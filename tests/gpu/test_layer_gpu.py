@@ -1,6 +1,8 @@
 """The woven layer on GPUs (TP=2, NCCL): logits vs the stock spec in bf16, kernel vs reference
 backend, and a CUDA-graph capture of a woven block (skipped without 2 GPUs); and the replicated
-layout at TP 2 and 4 with the ranks sharing one GPU (skipped without a GPU)."""
+layout at TP 2 and 4 with the ranks sharing one GPU (skipped without a GPU): GPTModel against
+the stock local spec, HybridModel against Megatron's hybrid_stack_spec, and CUDA-graph replays
+of a woven hybrid stack."""
 
 from __future__ import annotations
 
@@ -44,17 +46,55 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None, t
     stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
     _same_router_on_every_rank_(stock)
     tw.load_state_dict(stock.state_dict(), strict=True)
-    # The yardstick runs in fp32 on the local spec (TE's attention takes no fp32 inputs); a TE
-    # state dict maps onto it by renaming the fused norms and dropping TE's extra state.
     local_spec = get_gpt_layer_local_spec(normalization="RMSNorm", **extra)
     golden = build_gpt(llama_config(shape, layers, world, moe_dispatch=moe_dispatch), local_spec,
                        shape.vocab, 4096).cuda()
+    return stock, tw, _load_golden(golden, stock)
+
+
+def _load_golden(golden: torch.nn.Module, stock: torch.nn.Module) -> torch.nn.Module:
+    """The yardstick runs in fp32 on local modules (TE's attention takes no fp32 inputs); a TE
+    state dict maps onto it by renaming the fused norms and dropping TE's extra state."""
     missing, unexpected = golden.load_state_dict({
         _local_key(k): v.float() if v.is_floating_point() else v
         for k, v in stock.state_dict().items() if not k.endswith("_extra_state")
     }, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
-    return stock, tw, golden
+    return golden
+
+
+HYBRID = "*-*-"
+
+
+def _build_hybrid(world: int, tw_kwargs: dict, te: bool):
+    """(stock bf16, tokenweave bf16, fp32 yardstick) HybridModels of HYBRID: Megatron's
+    hybrid_stack_spec and the TokenWeave TE flavour when `te`, else the local forms."""
+    from megatron_tokenweave.config import TokenWeaveConfig
+    from megatron_tokenweave.hybrid import (
+        get_hybrid_stack_tokenweave_spec,
+        local_hybrid_stack_spec,
+    )
+    from megatron_tokenweave.models import (
+        Shape,
+        build_hybrid,
+        llama_config,
+        pattern_layers,
+        stock_hybrid_stack_spec,
+    )
+
+    shape = Shape(1024, 2816, 8, 2, vocab=1024)
+    layers = pattern_layers(HYBRID)
+    cfg = llama_config(shape, layers, world, is_hybrid_model=True, bf16=True,
+                       params_dtype=torch.bfloat16)
+    tw_config = TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs)
+    stock = build_hybrid(cfg, stock_hybrid_stack_spec(te), shape.vocab, 4096, HYBRID)
+    tw = build_hybrid(cfg, get_hybrid_stack_tokenweave_spec(te, tw_config), shape.vocab, 4096,
+                      HYBRID)
+    stock, tw = stock.cuda().bfloat16(), tw.cuda().bfloat16()
+    tw.load_state_dict(stock.state_dict(), strict=True)
+    golden = build_hybrid(llama_config(shape, layers, world, is_hybrid_model=True),
+                          local_hybrid_stack_spec(), shape.vocab, 4096, HYBRID).cuda()
+    return stock, tw, _load_golden(golden, stock)
 
 
 def _local_key(key: str) -> str:
@@ -92,7 +132,10 @@ def _count_fused_calls() -> list[str]:
 
 
 def _parity(rank: int, world: int, te: bool = False,
-            layouts: tuple[bool, ...] = (False, True)) -> list[tuple]:
+            layouts: tuple[bool, ...] = (False, True), hybrid: bool = False) -> list[tuple]:
+    """Per layout, mechanism and split (forced, by policy), every shape: the stock and the
+    tokenweave model's errors against the fp32 yardstick. GPTModels, or HybridModels of HYBRID
+    (replicated layout only)."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
@@ -106,7 +149,8 @@ def _parity(rank: int, world: int, te: bool = False,
         for backend, comm in mechanisms:
             for split in ({"split_threshold": 0}, {}):
                 tw_kwargs = {"backend": backend, "comm": comm, **split}
-                stock, tw, golden = _build(world, sp, tw_kwargs, te=te)
+                stock, tw, golden = (_build_hybrid(world, tw_kwargs, te) if hybrid
+                                     else _build(world, sp, tw_kwargs, te=te))
                 for seq, batch in SHAPES:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
@@ -154,7 +198,7 @@ def test_logits_match_stock_spec_ranks_sharing_one_gpu(world):
                   f"local, {world} ranks on one GPU")
 
 
-def _check_parity(results: list[tuple], stock: str) -> None:
+def _check_parity(results: list[tuple], stock: str, min_calls: int = 4) -> None:
     """Every case the stock spec runs: TokenWeave within its error. TE 2.20's attention refuses
     single-token inputs (get_qkv_layout: "The provided qkv memory layout is not supported!") in
     the stock spec too; such cases are listed, and at most the 1-token shape may be one."""
@@ -167,7 +211,7 @@ def _check_parity(results: list[tuple], stock: str) -> None:
     for sp, backend, split, seq, batch, err_stock, err_tw, calls in results:
         case = f"{stock} sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
         assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
-        assert calls >= 4, f"{case}: the fused op ran {calls} times"
+        assert calls >= min_calls, f"{case}: the fused op ran {calls} times"
     worst_stock, worst_tw = max(r[5] for r in results), max(r[6] for r in results)
     print(f"max error vs fp32 ({stock}): stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
 
@@ -340,3 +384,72 @@ def test_capture_after_eager_warmup_with_a_copy_engine_graph_table(tmp_path):
     for error, eager_comms, captured_comms in spawn(_capture_after_warmup, 2, str(tmp_path)):
         assert (eager_comms, captured_comms) == ({"fused"}, {"copy_engine"})  # each mode's table
         assert error <= 1e-2, error  # two data paths, the same sums: bf16 rounding at most
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybrid_matches_megatron_hybrid_stack_ranks_sharing_one_gpu(world):
+    """HybridModel `*-*-`, TP 2 and 4 as processes sharing GPU 0: the TokenWeave hybrid stack
+    (TE flavour when TE imports) against Megatron's hybrid_stack_spec (else its local form),
+    every mechanism, split forced and by policy, replicated layout, bf16: within the stock
+    model's own error against fp32, one fused op per half per layer at least."""
+    from megatron_tokenweave.kernels import is_available
+    from megatron_tokenweave.spec import te_available
+
+    if not is_available():
+        pytest.skip("the CUDA extension is not available")
+    te = te_available()
+    stock = "hybrid_stack_spec (TE)" if te else "local hybrid stack"
+    _check_parity(spawn(_parity, world, te, (False,), True, backend="gloo")[0],
+                  f"{stock}, {world} ranks on one GPU", min_calls=len(HYBRID))
+
+
+def _hybrid_graph(rank: int, world: int, te: bool) -> tuple[list[float], list[int]]:
+    """The woven hybrid stack captured as one CUDA graph (Megatron's block scope): replays
+    against eager forwards of the same inputs, each mechanism that moves data without host
+    collectives."""
+    from megatron_tokenweave.launch import initialize_model_parallel
+
+    initialize_model_parallel(world)
+    calls = _count_fused_calls()
+    errors, woven = [], []
+    for comm in (c for c in COMMS if c != "collectives"):
+        _, tw, _ = _build_hybrid(world, {"comm": comm, "split_threshold": 256}, te)
+        for seq, batch in ((2, 4), (1024, 1)):
+            rpe = tw.rotary_pos_emb(seq)
+            static = torch.randn(seq, batch, 1024, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                calls.clear()
+                tw.decoder(hidden_states=static, attention_mask=None, rotary_pos_emb=rpe)
+                woven.append(len(calls))
+                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                    out = tw.decoder(hidden_states=static, attention_mask=None,
+                                     rotary_pos_emb=rpe)
+                torch.cuda.current_stream().wait_stream(stream)
+                for _ in range(10):
+                    static.copy_(torch.randn_like(static))
+                    out.fill_(float("nan"))
+                    graph.replay()
+                    eager = tw.decoder(hidden_states=static, attention_mask=None,
+                                       rotary_pos_emb=rpe)
+                    errors.append(((out.float() - eager.float()).abs().max()).item())
+        del tw
+    return errors, woven
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_hybrid_stack_graph_replay_matches_eager_ranks_sharing_one_gpu():
+    """Graph replays of the woven hybrid stack equal eager forwards bit for bit (2 ranks sharing
+    GPU 0): 8 rows unsplit (one op per layer), 1024 rows split (two)."""
+    from megatron_tokenweave.kernels import is_available
+    from megatron_tokenweave.spec import te_available
+
+    if not is_available():
+        pytest.skip("the CUDA extension is not available")
+    errors, woven = spawn(_hybrid_graph, 2, te_available(), backend="gloo")[0]
+    comms = len([c for c in COMMS if c != "collectives"])
+    assert woven == [len(HYBRID), 2 * len(HYBRID)] * comms, woven
+    assert len(errors) == comms * 2 * 10
+    assert max(errors) == 0.0, f"graph replay differs from eager: {max(errors)}"

@@ -78,14 +78,26 @@ def _memorize_(model: torch.nn.Module, steps: int = 300, seq: int = 64, batch: i
     return float(loss)
 
 
-def _models(world: int, **config_overrides):
-    """(stock, tokenweave) bf16 GPTModels with the same memorized weights."""
+HYBRID = "*-" * LAYERS  # the HybridModel of the same decoder: one stage a layer
+
+
+def _models(world: int, model_class: str = "gpt", **config_overrides):
+    """(stock, tokenweave) bf16 models with the same memorized weights: GPTModels, or
+    HybridModels of HYBRID (the GPT trainee's weights mapped layer by layer); the stock side is
+    Megatron's TE spec / hybrid_stack_spec when TE imports, else the local forms."""
     from megatron_tokenweave.config import TokenWeaveConfig
+    from megatron_tokenweave.hybrid import (
+        get_hybrid_stack_tokenweave_spec,
+        gpt_to_hybrid_state_dict,
+    )
     from megatron_tokenweave.models import (
         Shape,
         build_gpt,
+        build_hybrid,
         clear_attention_backend_env,
         llama_config,
+        pattern_layers,
+        stock_hybrid_stack_spec,
         stock_layer_spec,
     )
     from megatron_tokenweave.spec import get_gpt_layer_tokenweave_spec, te_available
@@ -100,25 +112,34 @@ def _models(world: int, **config_overrides):
              for k, v in trainee.state_dict().items()}
     del trainee
     clear_attention_backend_env()  # the trainee's backend may differ from config_overrides'
-    cfg = llama_config(shape, LAYERS, world, bf16=True, params_dtype=torch.bfloat16,
-                       **config_overrides)
-    stock = build_gpt(cfg, stock_spec, shape.vocab, MAX_SEQ).cuda()
     tw_config = TokenWeaveConfig(split_threshold=32, tuning_table="none")
-    woven = build_gpt(cfg, get_gpt_layer_tokenweave_spec(te, tw_config), shape.vocab,
-                      MAX_SEQ).cuda()
+    common = dict(bf16=True, params_dtype=torch.bfloat16, **config_overrides)
+    if model_class == "hybrid":
+        cfg = llama_config(shape, pattern_layers(HYBRID), world, is_hybrid_model=True, **common)
+        stock = build_hybrid(cfg, stock_hybrid_stack_spec(te), shape.vocab, MAX_SEQ, HYBRID)
+        woven = build_hybrid(cfg, get_hybrid_stack_tokenweave_spec(te, tw_config), shape.vocab,
+                             MAX_SEQ, HYBRID)
+        state = gpt_to_hybrid_state_dict(state)
+    else:
+        cfg = llama_config(shape, LAYERS, world, **common)
+        stock = build_gpt(cfg, stock_spec, shape.vocab, MAX_SEQ)
+        woven = build_gpt(cfg, get_gpt_layer_tokenweave_spec(te, tw_config), shape.vocab,
+                          MAX_SEQ)
+    stock, woven = stock.cuda(), woven.cuda()
     stock.load_state_dict(state, strict=True)
     woven.load_state_dict(state, strict=True)
     return stock, woven, loss
 
 
-def _static(rank: int, world: int, ports: list[int], cuda_graphs: bool) -> dict:
+def _static(rank: int, world: int, ports: list[int], cuda_graphs: bool,
+            model_class: str = "gpt") -> dict:
     from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.serving.engines import generated_tokens, greedy, static_engine
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
     overrides = dict(cuda_graph_impl="local", flash_decode=True) if cuda_graphs else {}
-    stock, woven, loss = _models(world, **overrides)
+    stock, woven, loss = _models(world, model_class, **overrides)
     out: dict = {"loss": loss}
     for i, (name, model) in enumerate((("stock", stock), ("tokenweave", woven))):
         if ports:  # the HTTP session sends a request that fails inside the engine
@@ -142,8 +163,9 @@ def _check_generations(result: dict) -> None:
     assert woven == stock
 
 
-def test_static_engine_and_flask_server_match_stock():
-    per_rank = spawn(_static, 2, [0, 0], False)
+@pytest.mark.parametrize("model_class", ["gpt", "hybrid"])
+def test_static_engine_and_flask_server_match_stock(model_class):
+    per_rank = spawn(_static, 2, [0, 0], False, model_class)
     for result in per_rank:
         _check_generations(result)
     check_server_answers(per_rank[0]["stock"]["http"], per_rank[0]["tokenweave"]["http"],
@@ -163,7 +185,8 @@ def test_static_engine_with_megatron_cuda_graphs_matches_stock():
         _check_generations(result)
 
 
-def _dynamic(rank: int, world: int, cuda_graph_scope: str | None = None) -> dict:
+def _dynamic(rank: int, world: int, cuda_graph_scope: str | None = None,
+             model_class: str = "gpt") -> dict:
     from megatron_tokenweave.launch import initialize_model_parallel
     from megatron_tokenweave.serving.engines import (
         dynamic_config_overrides,
@@ -174,7 +197,7 @@ def _dynamic(rank: int, world: int, cuda_graph_scope: str | None = None) -> dict
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
-    stock, woven, loss = _models(world, **dynamic_config_overrides(cuda_graph_scope))
+    stock, woven, loss = _models(world, model_class, **dynamic_config_overrides(cuda_graph_scope))
     out: dict = {"loss": loss}
     for name, model in (("stock", stock), ("tokenweave", woven)):
         llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
@@ -190,13 +213,14 @@ def _dynamic(rank: int, world: int, cuda_graph_scope: str | None = None) -> dict
     return out
 
 
-def test_dynamic_engine_matches_stock():
+@pytest.mark.parametrize("model_class", ["gpt", "hybrid"])
+def test_dynamic_engine_matches_stock(model_class):
     """MegatronLLM (dynamic engine, chunked prefill of 64 tokens, so prompts span chunks)."""
     from megatron_tokenweave.serving.engines import dynamic_engine_problem
 
     if (problem := dynamic_engine_problem()) is not None:
         pytest.skip(problem)
-    for result in spawn(_dynamic, 2):
+    for result in spawn(_dynamic, 2, None, model_class):
         _check_generations(result)
 
 
@@ -279,10 +303,12 @@ def _soak(url: str) -> dict:
     return dict(replies=replies, final=final, served_s=time.monotonic() - start)
 
 
-def _openai_soak(rank: int, world: int, ports: list[int]) -> dict:
+def _openai_soak(rank: int, world: int, ports: list[int], model_class: str = "gpt",
+                 soak: bool = True) -> dict:
     """Megatron's OpenAI-style server (serve_openai: the guard, a stop on SIGTERM) over the
     dynamic engine: the stock model's replies to OPENAI_VALID, then a soak of the TokenWeave
-    model's server; rank 0 ends each with SIGTERM to itself, as the launcher relays one."""
+    model's server (without `soak`: its replies to OPENAI_VALID); rank 0 ends each with
+    SIGTERM to itself, as the launcher relays one."""
     import asyncio
 
     from megatron.core.inference.apis import ServeConfig
@@ -293,7 +319,7 @@ def _openai_soak(rank: int, world: int, ports: list[int]) -> dict:
     from megatron_tokenweave.serving.tokenizer import ByteTokenizer
 
     initialize_model_parallel(world)
-    stock, woven, loss = _models(world, **dynamic_config_overrides())
+    stock, woven, loss = _models(world, model_class, **dynamic_config_overrides())
 
     async def session(model, port: int, drive):
         llm = dynamic_llm(model, ByteTokenizer(), MAX_SEQ, max_requests=MAX_BATCH,
@@ -309,7 +335,7 @@ def _openai_soak(rank: int, world: int, ports: list[int]) -> dict:
 
     out: dict = {"loss": loss, "stock": asyncio.run(session(stock, ports[0], _reference))}
     stop_event().clear()
-    out["tokenweave"] = asyncio.run(session(woven, ports[1], _soak))
+    out["tokenweave"] = asyncio.run(session(woven, ports[1], _soak if soak else _reference))
     return out
 
 
@@ -345,6 +371,23 @@ def test_openai_server_soak_matches_stock():
         check_bad_answer(OPENAI_BAD[reply.index], (reply.status, reply.reply))
     assert soak["served_s"] >= SOAK_S
     assert [_completions(answer) for answer in soak["final"]] == expected
+
+
+def test_openai_server_with_a_hybrid_model_matches_stock():
+    """The same server over a woven HybridModel: its replies to every valid request equal the
+    stock hybrid stack's server's (and the stock one continues the memorized text)."""
+    from megatron_tokenweave.serving.engines import dynamic_engine_problem
+
+    if (problem := dynamic_engine_problem()) is not None:
+        pytest.skip(problem)
+    for module in ("quart", "hypercorn", "zmq", "msgpack"):
+        pytest.importorskip(module)
+    result = spawn(_openai_soak, 2, [free_port(), free_port()], "hybrid", False)[0]
+    expected = [_completions(answer) for answer in result["stock"]]
+    text, _ = expected[0][0]
+    start = TEXT.index(PROMPTS[0]) + len(PROMPTS[0])
+    assert text and text == TEXT[start : start + len(text)], (text, result["loss"])
+    assert [_completions(answer) for answer in result["tokenweave"]] == expected
 
 
 def test_openai_example_server_stops_on_sigterm(tmp_path):

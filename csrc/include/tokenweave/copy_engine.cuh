@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(32)
   const uint32_t e = s_epoch;
   constexpr int slot = kBarrier == kCeMid ? kCopyEngineMidSlot : kCopyEngineSlot;
   const bool timed_out =
-      e != 0 && !cta_barrier<kBarrier == kCeEnd>(pad_bases, p.rank, p.world, slot, e,
+      e != 0 && !cta_barrier<kBarrier == kCeEnd>(pad_bases, p.rank, p.world, slot, e, p.tag,
                                                  p.timeout_ns, &s_fail);
   // A timeout at END comes after this call's outputs are complete (MID passed, the copies are
   // stream-ordered before END), and a slow peer may still be pulling my normed chunk: END

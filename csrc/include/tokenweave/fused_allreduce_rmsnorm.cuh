@@ -53,6 +53,8 @@ struct FusedParams {
   int copy_engine;            // copy-engine data path (copy_engine.cuh): bases[q] are local
                               // copies of the peers' rows; no barriers, normed rows stored
                               // locally only (the op's copies move them)
+  uint32_t tag;               // the call's tag (signal.cuh: the same on every rank for the same
+                              // call; checked at START and by the one-shot exchange); 0: none
 };
 
 // Whether the kernel stores normed rows to the peers itself (sequence parallel).
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   load_weight(p.weight, hv, w);
 
   if (!p.copy_engine &&
-      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) {
+      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.tag, p.timeout_ns, &s_fail)) {
     poison_mine();
     return;
   }
@@ -252,7 +254,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   if (!p.copy_engine &&
-      !cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+      !cta_barrier<true>(pad_bases, p.rank, world, b, e, 0u, p.timeout_ns, &s_fail))
     poison_mine();  // a peer's normed rows (or its reads) never completed
 }
 
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   load_weight(p.weight, hv, w);
 
   if (!p.copy_engine &&
-      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail)) {
+      !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.tag, p.timeout_ns, &s_fail)) {
     poison_outputs(p, nan_pair<T>());
     return;
   }
@@ -378,7 +380,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   if (!p.copy_engine &&
-      !cta_barrier<true>(pad_bases, p.rank, world, b, e, p.timeout_ns, &s_fail))
+      !cta_barrier<true>(pad_bases, p.rank, world, b, e, 0u, p.timeout_ns, &s_fail))
     poison_outputs(p, nan_pair<T>());  // a peer's normed rows (or its reads) never completed
 }
 

@@ -18,11 +18,14 @@
 //   inbox (st.release.sys), and every owner waits on that one flag per source: its whole
 //   segment is one block of one tile. Every CTA publishes, so none waits on another CTA of its
 //   own grid.
-// `e` is the set's epoch: every rank keeps epoch[set] in its own inbox, the GEMM
-// stores with epoch[set] + 1 and the consumer's last CTA writes that value back when the call is
-// over, so ranks that make the same calls in the same order stay in step (CUDA graphs replay
-// with fresh epochs, as the kernel reads them from memory). Two sets (the woven schedule's
-// halves) let half B's GEMM store while half A's consumer still reads its rows.
+// `e` is the set's flag for this call: the call's 15-bit inbox tag (inbox_tag of the call's tag,
+// which its GEMM and consumer share) above the set's 16-bit epoch: every rank keeps epoch[set]
+// in its own inbox, the GEMM stores with epoch[set] + 1 and the consumer's last CTA writes that
+// value back when the call is over, so ranks that make the same calls in the same order stay in
+// step (CUDA graphs replay with fresh epochs, as the kernel reads them from memory). A flag of
+// this epoch with another tag, or of a later epoch, is a source on another call
+// (kCallMismatch): the owner gives up before it reads the source's tiles. Two sets (the woven
+// schedule's halves) let half B's GEMM store while half A's consumer still reads its rows.
 // The consumer on rank r, CTA b of G (the same G everywhere: it depends on seg_rows and the CTA
 // count only):
 //   1. for its rows j = b, b + G, ... of segment r: before the first row of a block, wait until
@@ -68,13 +71,21 @@ struct InboxParams {
                                  // null (the GEMM published)
 };
 
-// The epoch a call uses after `last` (0 is "never written").
+// The epoch a call uses after `last` (0 is "never written"; epochs are 16 bits of a flag).
 __host__ __device__ __forceinline__ uint32_t next_inbox_epoch(uint32_t last) {
-  return last >= 0x7fffffffu ? 1u : last + 1u;
+  return last >= 0xffffu ? 1u : last + 1u;
 }
 
-// All threads: wait until every source's flags of block `blk` read `e`. False (for every thread)
-// after timeout_ns, with the error recorded.
+// The 15-bit inbox tag of a call's tag (megatron_tokenweave/kernels/owner_protocol.py has the
+// same for the GEMM's flags), and a flag: that tag above the epoch.
+__host__ __device__ __forceinline__ uint32_t inbox_tag(uint32_t tag) { return tag % 0x7fffu + 1u; }
+__host__ __device__ __forceinline__ uint32_t inbox_flag(uint32_t tag, uint32_t epoch) {
+  return (inbox_tag(tag) << 16) | epoch;
+}
+
+// All threads: wait until every source's flags of block `blk` read `e` (inbox_flag). False (for
+// every thread) after timeout_ns, or at once when a source's flag is of another call (this
+// epoch with another tag, or a later epoch), with the error recorded.
 __device__ __forceinline__ bool wait_block(const FusedParams& p, const InboxParams& g, int blk,
                                            uint32_t e) {
   SignalPad* self = reinterpret_cast<SignalPad*>(p.bases[p.world + p.rank]);
@@ -86,9 +97,16 @@ __device__ __forceinline__ bool wait_block(const FusedParams& p, const InboxPara
         g.flags + q * g.src_stride + static_cast<int64_t>(blk) * g.tiles_stride + t;
     const uint64_t t0 = global_timer_ns();
     uint32_t spins = 0;
-    while (ld_acquire_sys(flag) != e) {
+    uint32_t seen;
+    while ((seen = ld_acquire_sys(flag)) != e) {
+      if (static_cast<int16_t>((seen & 0xffffu) - (e & 0xffffu)) >= 0 && seen != 0) {
+        record_error(self, kCallMismatch, q, blk, e & 0xffffu, seen & 0xffffu, e >> 16,
+                     seen >> 16);
+        fail = 1;
+        break;
+      }
       if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
-        record_error(self, kTimeoutTile, q, blk, e);
+        record_error(self, kTimeoutTile, q, blk, e & 0xffffu);
         fail = 1;
         break;
       }
@@ -110,12 +128,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.x == 0) s_inbox_epoch = next_inbox_epoch(*g.epoch);
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);  // syncs: s_inbox_epoch is set too
   const uint32_t ie = s_inbox_epoch;
+  const uint32_t flag = inbox_flag(p.tag, ie);
   // Consumer release: this rank's GEMM, earlier on this stream, has ended (the kernel boundary
   // is what makes its stores complete: a launch overlapping the GEMM's grid, such as a
   // programmatic dependent one, would have to wait for that grid first); the release store
   // orders those stores before the flag for every reader that acquires it.
   if (g.publish[0] != nullptr && e != 0 && threadIdx.x < p.world)
-    st_release_sys(g.publish[threadIdx.x], ie);
+    st_release_sys(g.publish[threadIdx.x], flag);
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const bool sp = p.sequence_parallel != 0;
@@ -128,7 +147,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int j = blockIdx.x; j < g.my_rows; j += gridDim.x, parity ^= 1) {
       if (j / g.block_rows != block) {
         block = j / g.block_rows;
-        if (!wait_block(p, g, block, ie)) return false;
+        if (!wait_block(p, g, block, flag)) return false;
       }
       const char* slot_row = g.data + static_cast<int64_t>(g.row0 + j) * row_bytes;
       const int64_t roff = static_cast<int64_t>(first_row + j) * row_bytes;
@@ -168,7 +187,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   };
 
   const bool ok = e != 0 && reduce_mine() &&
-                  cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail);
+                  cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, 0u, p.timeout_ns,
+                                    &s_fail);
   if (ok && !sp) normalize_chunk_rows<T, kVpt>(p, data[p.rank] + p.partial_off, g.seg_rows);
   if (!ok) {
     if (sp)

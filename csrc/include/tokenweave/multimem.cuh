@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   __syncthreads();
   const uint32_t e = s_epoch;
-  if (e == 0 || !cta_barrier<false>(pad_bases, p.rank, p.world, b, e, p.timeout_ns, &s_fail)) {
+  if (e == 0 ||
+      !cta_barrier<false>(pad_bases, p.rank, p.world, b, e, p.tag, p.timeout_ns, &s_fail)) {
     poison_outputs(p, nan_pair<T>());
     return;
   }
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
   }
-  if (!cta_barrier<true>(pad_bases, p.rank, p.world, b, e, p.timeout_ns, &s_fail))
+  if (!cta_barrier<true>(pad_bases, p.rank, p.world, b, e, 0u, p.timeout_ns, &s_fail))
     poison_outputs(p, nan_pair<T>());
 }
 

@@ -5,33 +5,40 @@
 // Protocol (also in docs/kernel.md)
 // ---------------------------------
 // Every rank's allocation header holds, after the SignalPad, kOneShotRounds receive buffers of
-// kOneShotRoundBytes whose 16-bit words start as 0x8000 (-0.0 in bf16 and fp16): "empty". Launch
-// of round r (pad.oneshot_round, device-side, advanced by the last CTA of each launch, so CUDA
-// graph replays get fresh rounds) uses buffer i = r % 3, laid out [src rank][rows][hidden]:
-//   1. push: CTA b stores each row it owns (rows b, b+G, ...; G CTAs, the same on every rank) of
-//      this rank's partial, with -0.0 replaced by +0.0 (same value; keeps "empty" unique), into
-//      slot [rank][row] of buffer i of every peer: posted 16-byte NVLink stores, no waiting;
-//   2. poll: for each of its rows every thread re-reads (volatile) its 16-byte vectors of slot
+// kOneShotRoundBytes of rows and kOneShotTagBytes of tag vectors, whose 16-bit words start as
+// 0x8000 (-0.0 in bf16 and fp16): "empty". Launch of round r (pad.oneshot_round, device-side,
+// advanced by the last CTA of each launch, so CUDA graph replays get fresh rounds) uses buffer
+// i = r % 3, rows laid out [src rank][rows][hidden], tags [src rank][CTA]:
+//   1. push: CTA b stores its tag vector (the call's tag, r and the row count: tag_vector, no
+//      16-bit word of it reads as "empty") into slot [rank][b] of the tags of buffer i of every
+//      peer, then each row it owns (rows b, b+G, ...; G CTAs, the same on every rank) of this
+//      rank's partial, with -0.0 replaced by +0.0 (same value; keeps "empty" unique), into slot
+//      [rank][row] of buffer i of every peer: posted 16-byte NVLink stores, no waiting;
+//   2. check: thread q polls tag slot [q][b] of its own buffer i until it holds no "empty" word
+//      and compares it with its own: another tag, round or row count is a peer on another call
+//      (kCallMismatch, naming it, both rounds and both tags), and the CTA gives up before it
+//      reads any of that peer's rows;
+//   3. poll: for each of its rows every thread re-reads (volatile) its 16-byte vectors of slot
 //      [q][row], q != rank, until none of its 16-bit words holds "empty" (so only 16-bit
 //      writes need to arrive whole, which aligned stores always do);
-//   3. sums the P rows in rank order in fp32 (its own partial sanitized the same way: every rank
+//   4. sums the P rows in rank order in fp32 (its own partial sanitized the same way: every rank
 //      sums bit-identical values, so the replicated outputs are identical), adds the residual,
 //      stores residual_out, normalizes, stores normed_out locally;
-//   4. resets buffer (r - 1) % 3 of its own header (the extent round r - 1 used,
-//      pad.oneshot_vecs[(r - 1) % 3]) to "empty";
-//   5. the last CTA to finish records round r's extent and advances oneshot_round.
+//   5. resets buffer (r - 1) % 3 of its own header (the rows and tag slots round r - 1 used,
+//      pad.oneshot_vecs / oneshot_ctas[(r - 1) % 3]) to "empty";
+//   6. the last CTA to finish records round r's extent and advances oneshot_round.
 // A buffer is never written before it was reset, nor reset while in use: a peer is at most one
 // round ahead (finishing round r + 1 needs my round r + 1 push, issued after my round r launch
 // completed), so during my round r peers write buffer r % 3 or (r + 1) % 3, never (r - 1) % 3,
 // which I reset; a peer writes (r - 1) % 3 = (r + 2) % 3 again only in round r + 2, after my round
-// r launch (and its reset) completed. No deadlock: pushes never wait, and CTA b polls only rows
-// pushed by CTA b of every peer, which pushes before it polls. Bounded: polls give up after
-// timeout_ns, record kTimeoutArrival, write NaN into the CTA's outputs and return; the round then
-// never advances and later launches write NaN at once (the error is sticky, as on the barrier
-// path). The partial buffer is free when the launch ends: peers never read it. The
-// round counter wraps at a multiple of 3. Whether a call takes this path is the communicator's
-// setting, agreed by every rank when it is created (a rank on the barrier path and one on this
-// path would both time out).
+// r launch (and its reset) completed. So a tag and the rows in one buffer are from the same round
+// of their writer. No deadlock: pushes never wait, and CTA b polls only rows pushed by CTA b of
+// every peer, which pushes before it polls. Bounded: polls give up after timeout_ns, record
+// kTimeoutArrival, write NaN into the CTA's outputs and return; the round then never advances
+// and later launches write NaN at once (the error is sticky, as on the barrier path). The
+// partial buffer is free when the launch ends: peers never read it. The round counter wraps at a
+// multiple of 3. Whether a call takes this path is the communicator's setting, agreed by every
+// rank when it is created (a rank on the barrier path and one on this path would both time out).
 #pragma once
 
 #include "tokenweave/common.cuh"
@@ -64,11 +71,49 @@ __device__ __forceinline__ Vec16 load_volatile_vec(const void* p) {
   return v;
 }
 
+// The one-shot call's tag vector: the call's tag, its round and row count, 12 bits in each 16-bit
+// word under a 0x1 top nibble (never the "empty" 0x8000).
+__device__ __forceinline__ Vec16 tag_vector(uint32_t tag, uint32_t round, uint32_t rows) {
+  const uint32_t v[3] = {tag, round, rows};
+  uint32_t h[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) h[k] = 0x1000u | ((v[k / 3] >> (12 * (k % 3))) & 0xfffu);
+  Vec16 out;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out.u[k] = h[2 * k] | (h[2 * k + 1] << 16);
+  return out;
+}
+
+// Field f (0: tag, 1: round, 2: rows, as far as the vector holds it) of a tag vector.
+__device__ __forceinline__ uint32_t tag_field(const Vec16& v, int f) {
+  uint32_t x = 0;
+  for (int k = 3 * f; k < 3 * f + 3 && k < 8; ++k)
+    x |= ((v.u[k / 2] >> (16 * (k % 2))) & 0xfffu) << (12 * (k - 3 * f));
+  return x;
+}
+
+__device__ __forceinline__ bool same_vec(const Vec16& a, const Vec16& b) {
+  return a.u[0] == b.u[0] && a.u[1] == b.u[1] && a.u[2] == b.u[2] && a.u[3] == b.u[3];
+}
+
 __device__ __forceinline__ bool holds_empty(const Vec16& v) {
   bool e = false;
 #pragma unroll
   for (int k = 0; k < 4; ++k) e |= ((v.u[k] & 0xffffu) == 0x8000u) || ((v.u[k] >> 16) == 0x8000u);
   return e;
+}
+
+// Re-read (volatile) the 16-byte vector at `src` into `x` until none of its 16-bit words reads
+// "empty"; false once timeout_ns have passed since t0 (then `x` is what was last read).
+__device__ __forceinline__ bool arrived(const char* src, Vec16& x, uint64_t t0,
+                                        uint64_t timeout_ns) {
+  x = load_volatile_vec(src);
+  uint32_t spins = 0;
+  while (holds_empty(x)) {
+    if ((++spins & 255u) == 0 && global_timer_ns() - t0 > timeout_ns) return false;
+    x = load_volatile_vec(src);
+  }
+  return true;
 }
 
 template <typename T, int kNp, int kVpt>
@@ -98,9 +143,17 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const char* mine = reinterpret_cast<const char*>(p.bases[p.rank]) + p.partial_off;
-  const int64_t slot0 = kSignalBytes + static_cast<int64_t>(r % kOneShotRounds) * kOneShotRoundBytes;
+  const int64_t slot0 =
+      kSignalBytes + static_cast<int64_t>(r % kOneShotRounds) * kOneShotBufferBytes;
+  const int64_t tags0 = slot0 + kOneShotRoundBytes;
+  const bool check = p.tag != 0;
+  const Vec16 my_tag = tag_vector(p.tag, r, static_cast<uint32_t>(p.rows));
 
-  // 1. push my rows to every peer.
+  // 1. push my tag, then my rows, to every peer.
+  if (check && tid < world && tid != p.rank)
+    store_vec(reinterpret_cast<char*>(pad_bases[tid]) + tags0 +
+                  (static_cast<int64_t>(p.rank) * kMaxCtas + b) * kVecBytes,
+              my_tag);
   for (int row = b; row < p.rows; row += grid) {
 #pragma unroll
     for (int v = 0; v < kVpt; ++v) {
@@ -125,7 +178,26 @@ __global__ void __launch_bounds__(kMaxThreads)
   int parity = 0;
   int failed = 0;  // this thread gave up on a peer's rows (then stores nothing more)
 
-  // 2.-3. poll, reduce, normalize.
+  // 2. every peer's CTA b is on this very call, before any of its rows is read.
+  if (check && tid < world && tid != p.rank) {
+    const char* src = inbox + kOneShotRoundBytes +
+                      (static_cast<int64_t>(tid) * kMaxCtas + b) * kVecBytes;
+    Vec16 theirs;
+    if (!arrived(src, theirs, t0, p.timeout_ns)) {
+      record_error(self, kTimeoutArrival, tid, b, r);
+      failed = 1;
+    } else if (!same_vec(theirs, my_tag)) {
+      record_error(self, kCallMismatch, tid, b, r, tag_field(theirs, 1), p.tag,
+                   tag_field(theirs, 0));
+      failed = 1;
+    }
+  }
+  if (__syncthreads_or(failed)) {
+    poison_outputs(p, nan_pair<T>());
+    return;
+  }
+
+  // 3.-4. poll, reduce, normalize.
   for (int row = b; row < p.rows; row += grid, parity ^= 1) {
     float y[kVpt][8];
     float ss = 0.f;
@@ -142,15 +214,9 @@ __global__ void __launch_bounds__(kMaxThreads)
         } else {
           const char* src =
               inbox + (static_cast<int64_t>(q) * p.rows + row) * row_bytes + col * kVecBytes;
-          x = load_volatile_vec(src);
-          uint32_t spins = 0;
-          while (holds_empty(x)) {
-            if ((++spins & 255u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
-              record_error(self, kTimeoutArrival, q, b, r);
-              failed = 1;
-              break;
-            }
-            x = load_volatile_vec(src);
+          if (!arrived(src, x, t0, p.timeout_ns)) {
+            record_error(self, kTimeoutArrival, q, b, r);
+            failed = 1;
           }
         }
         if (q == 0)
@@ -183,22 +249,28 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
 
-  // 4. reset the previous round's buffer of my own header.
+  // 5. reset the previous round's buffer of my own header: its rows and its tag slots.
   const int prev = static_cast<int>((r % kOneShotRounds + kOneShotRounds - 1) % kOneShotRounds);
   const int64_t nvec = self->oneshot_vecs[prev];
   char* old = reinterpret_cast<char*>(pad_bases[p.rank]) + kSignalBytes +
-              static_cast<int64_t>(prev) * kOneShotRoundBytes;
+              static_cast<int64_t>(prev) * kOneShotBufferBytes;
   const Vec16 empty = {{kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord}};
   for (int64_t i = static_cast<int64_t>(b) * blockDim.x + tid; i < nvec;
        i += static_cast<int64_t>(grid) * blockDim.x)
     store_vec(old + i * kVecBytes, empty);
+  const int64_t old_ctas = self->oneshot_ctas[prev];
+  for (int64_t i = static_cast<int64_t>(b) * blockDim.x + tid; i < world * old_ctas;
+       i += static_cast<int64_t>(grid) * blockDim.x)
+    store_vec(old + kOneShotRoundBytes + ((i / old_ctas) * kMaxCtas + i % old_ctas) * kVecBytes,
+              empty);
 
-  // 5. the last CTA records this round's extent and advances the round.
+  // 6. the last CTA records this round's extent and advances the round.
   __syncthreads();
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(&self->oneshot_done, 1u) == static_cast<uint32_t>(grid - 1)) {
       self->oneshot_vecs[r % kOneShotRounds] = static_cast<uint32_t>(world * p.rows * hv);
+      self->oneshot_ctas[r % kOneShotRounds] = check ? static_cast<uint32_t>(grid) : 0u;
       self->oneshot_done = 0;
       // Wrap at 0xFFFFFFFF, a multiple of 3 (2^32 is not): r % 3 keeps rotating across the wrap.
       self->oneshot_round = r + 1 == kOneShotRoundWrap ? 0u : r + 1;

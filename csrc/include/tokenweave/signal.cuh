@@ -1,27 +1,36 @@
 // Inter-rank ordering of the tokenweave kernels: a signal pad in every rank's IPC allocation,
-// per-CTA flags carrying a device-side epoch, bounded spins.
+// per-CTA flags carrying a device-side epoch and the call's tag, bounded spins.
 //
 // Protocol (also in docs/kernel.md)
 // ---------------------------------
 // Every rank's symmetric allocation starts with a header: a SignalPad (kSignalBytes, zeroed at
 // creation), then the one-shot path's receive buffers (oneshot.cuh).
 // A launch uses G CTAs (the same G on every rank: G depends only on the shapes and the CTA count,
-// which every rank passes identically). CTA b of every launch:
+// which every rank passes identically) and carries the call's tag (the caller's name for the
+// call, hashed with its shape: the same on every rank for the same call, kernels' FusedParams).
+// CTA b of every launch:
 //   1. reads e = pad.epoch[b] + 1 from its OWN pad and writes it back (device-side, monotonic:
 //      a CUDA graph replays the same kernel arguments and still gets a fresh epoch);
-//   2. START barrier: thread t < P does st.release.sys peer_pad[t].start[b][rank] = e, then spins
-//      with ld.acquire.sys on own pad.start[b][t] until it reaches e. After it, every peer's stream
-//      has reached this op, so its partial rows are written and its normed_out rows are free;
+//   2. START barrier: thread t < P stores the tag into peer_pad[t].start_tag[b][rank], then does
+//      st.release.sys peer_pad[t].start[b][rank] = e, then spins with ld.acquire.sys on own
+//      pad.start[b][t] until it reaches e. It must then read exactly e, and own
+//      pad.start_tag[b][t] must hold this call's tag: a peer whose flag is past e, or whose tag
+//      differs, is on another call (the ranks' calls diverged), and the CTA gives up as on a
+//      timeout (kCallMismatch, naming the peer, both epochs and both tags) without reading the
+//      peer's rows. After it, every peer's stream has reached this very call, so its partial rows
+//      are written and its normed_out rows are free;
 //   3. moves data (loads peers' partials, stores normed rows to peers);
-//   4. END barrier: __syncthreads, then the same with pad.end: after it every peer's CTA b has
-//      finished reading my partial rows and writing my normed rows of the row set owned by b
-//      (rows are split between CTAs by index, identically on every rank). The launch on rank r
-//      completes only when all its CTAs passed END, so when the next kernel on r's stream runs,
-//      no peer touches r's buffer for this op any more.
+//   4. END barrier: __syncthreads, then the same with pad.end (epoch only, exact): after it every
+//      peer's CTA b has finished reading my partial rows and writing my normed rows of the row
+//      set owned by b (rows are split between CTAs by index, identically on every rank). The
+//      launch on rank r completes only when all its CTAs passed END, so when the next kernel on
+//      r's stream runs, no peer touches r's buffer for this op any more.
 // No flag is reused too early: a peer writes start=e+1 into my slot only after it passed END(e),
 // which needs my end=e, which I write after I consumed start=e; a peer writes end=e+1 only after
 // it passed START(e+1), which needs my start=e+1, which I write after I consumed end=e. So every
-// slot is overwritten only after its previous value was read; the wait uses wrap-safe `>=`.
+// slot is overwritten only after its previous value was read, and a healthy peer's flag is never
+// past the epoch I wait for (the wait uses wrap-safe ordering; past it is a divergence). A tag
+// is read only after its flag (acquire), so it is the tag the flag's writer stored first.
 // No deadlock: a CTA only waits for CTAs of the same index on other ranks, which wait for nothing
 // but this CTA's flags; every CTA eventually becomes resident (G <= kMaxCtas, other kernels on the
 // GPU do not wait on us), and ops are issued in the same order on every rank (caller's contract:
@@ -37,10 +46,13 @@
 namespace tokenweave {
 
 constexpr int64_t kSignalBytes = 64 * 1024;  // the SignalPad's part of each header
-// The one-shot path's receive buffers follow the SignalPad in the header (oneshot.cuh).
+// The one-shot path's receive buffers follow the SignalPad in the header (oneshot.cuh): each
+// holds kOneShotRoundBytes of rows, then one tag vector per source rank and CTA.
 constexpr int kOneShotRounds = 3;
 constexpr int64_t kOneShotRoundBytes = int64_t{8} << 20;
-constexpr int64_t kHeaderBytes = kSignalBytes + kOneShotRounds * kOneShotRoundBytes;
+constexpr int64_t kOneShotTagBytes = int64_t{kMaxRanks} * kMaxCtas * kVecBytes;
+constexpr int64_t kOneShotBufferBytes = kOneShotRoundBytes + kOneShotTagBytes;
+constexpr int64_t kHeaderBytes = kSignalBytes + kOneShotRounds * kOneShotBufferBytes;
 
 enum ErrorCode : uint32_t {
   kOk = 0,
@@ -48,6 +60,19 @@ enum ErrorCode : uint32_t {
   kTimeoutEnd = 2,
   kTimeoutArrival = 3,
   kTimeoutTile = 4,  // gemm_reduce.cuh: a source's GEMM tiles of a block never came
+  kCallMismatch = 5,  // a peer published for another call (epoch past this one, or another tag)
+};
+
+// The error words (SignalPad.error, the host's copy): what failed, where, and both calls.
+enum ErrorWord : int {
+  kErrCode = 0,
+  kErrPeer = 1,
+  kErrSlot = 2,       // CTA, row block or barrier slot
+  kErrEpoch = 3,      // this rank's epoch (or one-shot round)
+  kErrPeerEpoch = 4,  // kCallMismatch: the peer's
+  kErrTag = 5,        // kCallMismatch: this call's tag
+  kErrPeerTag = 6,    // kCallMismatch: the peer's
+  kErrorWords = 8,
 };
 
 // Barrier slots: one per CTA index of the kernels' launches, plus two for the copy-engine op's
@@ -58,14 +83,15 @@ constexpr int kCopyEngineSlot = kMaxCtas;
 constexpr int kCopyEngineMidSlot = kMaxCtas + 1;
 
 struct SignalPad {
-  uint32_t error[4];                    // local: code, peer, slot, epoch (or one-shot round);
-                                        // first, so the host finds it at offset 0
+  uint32_t error[kErrorWords];          // local: ErrorWord; first, so the host finds it at 0
   uint32_t start[kBarrierSlots][kMaxRanks];  // [b][src]: written by rank src (release), read here
+  uint32_t start_tag[kBarrierSlots][kMaxRanks];  // [b][src]: the call's tag, stored before start
   uint32_t end[kBarrierSlots][kMaxRanks];
   uint32_t epoch[kBarrierSlots];        // local: last epoch used by slot b
   uint32_t oneshot_round;               // local: next one-shot round
   uint32_t oneshot_done;                // local: CTAs of the current one-shot launch finished
   uint32_t oneshot_vecs[kOneShotRounds];  // local: 16-byte vectors round (i mod 3) used
+  uint32_t oneshot_ctas[kOneShotRounds];  // local: CTAs (tag vectors per source) it used
 };
 static_assert(sizeof(SignalPad) <= kSignalBytes, "signal pad too large");
 
@@ -85,14 +111,29 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Record the first error of this rank (later ones keep the first): code, the peer that never
-// came, the slot (CTA, row block or round) and the epoch; visible to the host's copy at once.
+// came or was on another call, the slot (CTA, row block or round), this rank's epoch, and for
+// kCallMismatch the peer's epoch and both tags; visible to the host's copy at once.
 __device__ __forceinline__ void record_error(SignalPad* self, uint32_t code, int peer, int slot,
-                                             uint32_t epoch) {
-  if (atomicCAS(&self->error[0], 0u, code) == 0u) {
-    self->error[1] = static_cast<uint32_t>(peer);
-    self->error[2] = static_cast<uint32_t>(slot);
-    self->error[3] = epoch;
+                                             uint32_t epoch, uint32_t peer_epoch = 0,
+                                             uint32_t tag = 0, uint32_t peer_tag = 0) {
+  if (atomicCAS(&self->error[kErrCode], 0u, code) == 0u) {
+    self->error[kErrPeer] = static_cast<uint32_t>(peer);
+    self->error[kErrSlot] = static_cast<uint32_t>(slot);
+    self->error[kErrEpoch] = epoch;
+    self->error[kErrPeerEpoch] = peer_epoch;
+    self->error[kErrTag] = tag;
+    self->error[kErrPeerTag] = peer_tag;
     __threadfence_system();
   }
 }
@@ -107,28 +148,46 @@ __device__ __forceinline__ uint32_t next_epoch(SignalPad* self, int b) {
 }
 
 // One barrier phase (start or end) of CTA b among `world` ranks. All threads of the CTA call it.
-// Returns false (for every thread) if a peer did not arrive within timeout_ns.
+// Returns false (for every thread) if a peer did not arrive within timeout_ns or is on another
+// call (START: `tag` is this call's, 0 for a launch that checks none; END: epochs only).
 // `pad_bases[q]` is rank q's signal pad (device array of peer pointers).
 template <bool kEnd>
 __device__ __forceinline__ bool cta_barrier(const int64_t* pad_bases, int rank, int world, int b,
-                                            uint32_t e, uint64_t timeout_ns, int* s_fail) {
+                                            uint32_t e, uint32_t tag, uint64_t timeout_ns,
+                                            int* s_fail) {
   __syncthreads();  // all earlier loads/stores of the CTA happen before the release below
   const int t = threadIdx.x;
   if (t < world) {
     SignalPad* peer = reinterpret_cast<SignalPad*>(pad_bases[t]);
     SignalPad* self = reinterpret_cast<SignalPad*>(pad_bases[rank]);
     uint32_t* slot = kEnd ? &peer->end[b][rank] : &peer->start[b][rank];
+    if (!kEnd) st_relaxed_sys(&peer->start_tag[b][rank], tag);  // ordered by the release below
     st_release_sys(slot, e);
     const uint32_t* mine = kEnd ? &self->end[b][t] : &self->start[b][t];
     const uint64_t t0 = global_timer_ns();
     uint32_t spins = 0;
-    while (static_cast<int32_t>(ld_acquire_sys(mine) - e) < 0) {
+    uint32_t seen = ld_acquire_sys(mine);
+    bool failed = false;
+    while (static_cast<int32_t>(seen - e) < 0) {
       if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > timeout_ns) {
         record_error(self, kEnd ? kTimeoutEnd : kTimeoutStart, t, b, e);
-        atomicExch(s_fail, 1);
+        failed = true;
         break;
       }
+      seen = ld_acquire_sys(mine);
     }
+    if (!failed && seen != e) {  // the peer is past this call
+      record_error(self, kCallMismatch, t, b, e, seen, tag,
+                   kEnd ? 0u : ld_relaxed_sys(&self->start_tag[b][t]));
+      failed = true;
+    } else if (!failed && !kEnd && tag != 0) {
+      const uint32_t theirs = ld_relaxed_sys(&self->start_tag[b][t]);
+      if (theirs != tag) {
+        record_error(self, kCallMismatch, t, b, e, seen, tag, theirs);
+        failed = true;
+      }
+    }
+    if (failed) atomicExch(s_fail, 1);
   }
   __syncthreads();
   return *reinterpret_cast<volatile int*>(s_fail) == 0;

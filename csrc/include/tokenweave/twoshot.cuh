@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   // to every rank, in phase 4 all of them locally).
   auto poison_mine = [&] { poison_chunk_rows(p, nan_pair<T>(), chunk_rows); };
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);
-  if (e == 0 || !cta_barrier<false>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
+  if (e == 0 || !cta_barrier<false>(pads, p.rank, p.world, blockIdx.x, e, p.tag, p.timeout_ns,
+                                     &s_fail)) {
     poison_mine();
     return;
   }
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // 3. every owner's rows of this CTA are in my partial.
-  if (!cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, p.timeout_ns, &s_fail)) {
+  if (!cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, 0u, p.timeout_ns, &s_fail)) {
     poison_mine();
     return;
   }
