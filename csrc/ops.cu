@@ -71,12 +71,16 @@ struct Communicator {
   int64_t mirror_bytes = 0;
   // GEMM-fused path (comm_attach_inbox): this rank's inbox (megatron_tokenweave/kernels/inbox.py
   // lays it out): slots of `slot_rows` rows of `row_bytes` at `inbox_data`, flags of set s at
-  // `inbox_flags + s * flag_set_words` ([world][blocks][tiles] words), then epoch[2] and
-  // done[2] words at `inbox_control`; `inbox_regions` every rank's inbox (its flags first).
+  // `inbox_flags + s * flag_set_words` ([world][blocks][tiles] words), then epoch[2], done[2]
+  // and tag[2][kMaxRanks] words at `inbox_control`; `inbox_regions` every rank's inbox (its
+  // flags first, its control words as far after them as here).
   int64_t inbox_data = 0, slot_rows = 0, row_bytes = 0, inbox_flags = 0, flag_set_words = 0;
   int64_t inbox_control = 0, flag_blocks = 0, flag_tiles = 0;
   std::vector<int64_t> inbox_regions;
 };
+
+// Words before the tags in an inbox's control words: epoch[2], done[2] (kernels/inbox.py).
+constexpr int64_t kInboxTagWords = 4;
 
 // Bits of comm_create's `flags`.
 enum Flags : int64_t {
@@ -424,12 +428,17 @@ void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t cta
   auto* control = reinterpret_cast<uint32_t*>(c.inbox_control);
   g.epoch = control + s.set;
   g.done = control + 2 + s.set;
+  g.tags = control + kInboxTagWords + s.set * kMaxRanks;
   if (s.publish) {
     g.block_rows = g.seg_rows;  // one block of one tile: flag[set][src][0][0]
     g.col_tiles = 1;
-    for (int64_t q = 0; q < c.world; ++q)
+    const int64_t control_off = c.inbox_control - c.inbox_flags;  // the same in every region
+    for (int64_t q = 0; q < c.world; ++q) {
       g.publish[q] = reinterpret_cast<uint32_t*>(c.inbox_regions[q]) + s.set * c.flag_set_words +
                      c.rank * g.src_stride;
+      g.publish_tag[q] = reinterpret_cast<uint32_t*>(c.inbox_regions[q] + control_off) +
+                         kInboxTagWords + s.set * kMaxRanks + c.rank;
+    }
   }
   const LaunchShape shape = launch_shape(p.hidden);
   with_np_vpt(np_bucket(p.world), shape.vpt, [&](auto np_c, auto vpt_c) {

@@ -232,26 +232,37 @@ def test_a_call_mismatch_names_the_peer_and_both_calls():
 
 
 def test_call_tags_name_the_call_and_its_shape():
-    """call_tag: nonzero 32-bit, the same for the same call and shape in every process (the
-    ranks compute it apart), different for another call number or shape; the GEMM-fused
-    mechanism's 15-bit inbox tag is gemm_reduce.cuh's formula, in 1..0x7FFF."""
+    """call_tag: nonzero and 31-bit (the communicating GEMM takes it as an int32 argument), the
+    same for the same call and shape in every process (the ranks compute it apart), different
+    for another call number or shape."""
     import subprocess
     import sys
 
     from megatron_tokenweave.kernels import call_tag
-    from megatron_tokenweave.kernels.owner_protocol import inbox_tag
 
     tags = {call_tag(call, *shape) for call in range(64) for shape in ((0, 16, 1, 8, 4096, 1),
                                                                         (0, 16, 1, 9, 4096, 1))}
-    assert len(tags) == 128 and all(0 < t <= 0xFFFFFFFF for t in tags)
+    assert len(tags) == 128 and all(0 < t <= 0x7FFFFFFF for t in tags)
     code = "from megatron_tokenweave.kernels import call_tag; print(call_tag(7, 0, 16, 1, 9, 64))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
     assert int(other.stdout.split()[-1]) == call_tag(7, 0, 16, 1, 9, 64)
-    cuh = (pathlib.Path(__file__).parents[1] / "csrc/include/tokenweave/gemm_reduce.cuh")
-    assert "return tag % 0x7fffu + 1u;" in cuh.read_text()
-    assert {inbox_tag(t) for t in (0, 1, 0x7FFE, 0x7FFF, 0xFFFFFFFF)} <= set(range(1, 0x8000))
-    assert inbox_tag(0x7FFF) == 1 and inbox_tag(5) == 6
+
+
+def test_the_inbox_tags_follow_the_control_words():
+    """The GEMM stores the call's tag at tag[set][rank] of each owner's inbox, right after
+    epoch[2] and done[2] (kernels/inbox.py's tags_off), where the consumer reads it
+    (csrc/ops.cu kInboxTagWords), eight words a set (owner_protocol.TAG_SLOTS = kMaxRanks)."""
+    from megatron_tokenweave.kernels import owner_protocol
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+
+    inbox = GemmInbox(2, 0, 4096, 1024, torch.bfloat16,
+                      lambda n: ([0, 0], [torch.zeros(n, dtype=torch.uint8)] * 2), lambda: None)
+    assert inbox.tags_off == inbox.control_off + 4 * 4
+    assert inbox.slots_off >= inbox.tags_off + 4 * 2 * 8 and inbox.control.numel() == 4 + 16
+    ops = (pathlib.Path(__file__).parents[1] / "csrc/ops.cu").read_text()
+    assert "constexpr int64_t kInboxTagWords = 4;" in ops
+    assert owner_protocol.TAG_SLOTS.value == 8
 
 
 def test_the_op_path_codes_mirror_the_cuda_enum():

@@ -108,12 +108,12 @@ _PATH_CODES = {("sm", "whole"): 0, ("copy_engine", "whole"): 1,
 
 
 def call_tag(call: int, *signature: int) -> int:
-    """The 32-bit, nonzero tag of a call: the caller's number for it (`call`: the same on every
+    """The 31-bit, nonzero tag of a call: the caller's number for it (`call`: the same on every
     rank for the same call, e.g. the woven layer's layer, stage and half) and the call's shape
     (`signature`), so ranks whose calls diverged publish different tags. Python's hash of a
     tuple of ints, which is the same in every process (hash randomization covers str and bytes
     only)."""
-    return hash((call, *signature)) & 0xFFFFFFFF or 1
+    return hash((call, *signature)) & 0x7FFFFFFF or 1
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class KernelComm:
         hidden = partial.shape[-1]
         self._reduce_owned(self.handle, partial, residual, weight, float(eps), residual_out,
                            normed_out, ctas, seg.geometry(set_index, hidden),
-                           self.gemm_tag(call, seg, set_index, hidden) or 1)
+                           self.gemm_tag(call, seg, set_index, hidden) or 1)  # 1: unchecked
 
     def _check(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,

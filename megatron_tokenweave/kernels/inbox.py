@@ -5,7 +5,8 @@ Layout of each rank's data region (ops/segments.py names the geometry):
 
     flags    int32 [SETS][world][blocks][tiles]    flag[s][src][m][n] = epoch: rank src stored
                                                    tile (m, n) of this rank's segment in set s
-    control  int32 [2 * SETS]                      epoch[s] (the last call's), done[s]
+    control  int32 [2 * SETS + SETS * MAX_RANKS]   epoch[s] (the last call's), done[s], then
+                                                   tag[s][src]: the call tag of src's flags
     slots    T [world][slot_rows][hidden]          slot src: the rows rank src stored here
 
 `GemmInbox.create` maps every rank's region (a collective: `Communicator.prepare_gemm`, which
@@ -28,6 +29,7 @@ from megatron_tokenweave.ops.segments import (
     SETS,
     slot_rows,
 )
+from megatron_tokenweave.ops.validate import MAX_RANKS
 
 _ALIGN = 256
 
@@ -46,14 +48,17 @@ class GemmInbox:
         self.set_words = world * self.flag_blocks * self.flag_tiles
         flag_bytes = SETS * self.set_words * 4
         self.control_off = flag_bytes
-        self.slots_off = -(-(flag_bytes + 4 * 2 * SETS) // _ALIGN) * _ALIGN
+        self.tags_off = flag_bytes + 4 * 2 * SETS  # bytes from a region's base: tag[0][0]
+        control_words = 2 * SETS + SETS * MAX_RANKS
+        self.slots_off = -(-(flag_bytes + 4 * control_words) // _ALIGN) * _ALIGN
         es = torch.finfo(dtype).bits // 8
         nbytes = self.slots_off + world * rows * hidden * es
         bases, raw = map_regions(nbytes)  # raw: each rank's region as a tensor, where held
         local = raw[rank]
         self._close = close
         self.bases = list(bases)
-        self.control = local[self.control_off:self.control_off + 4 * 2 * SETS].view(torch.int32)
+        self.control = local[self.control_off:self.control_off + 4 * control_words].view(
+            torch.int32)
         # Each rank's slots where this process holds their memory (every rank's in a loopback
         # inbox, where the benchmark checks what landed; elsewhere this rank's only).
         self.owner_slots = [r[self.slots_off:nbytes].view(dtype).view(world, rows, hidden)

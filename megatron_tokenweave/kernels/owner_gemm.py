@@ -1,7 +1,7 @@
 """The communicating row-parallel GEMM: partial = x @ W^T (+ bias on one rank), whose epilogue
 stores every output tile straight into the inbox of the rank that owns its rows and (where
-ops/segments.release_for says the GEMM releases) publishes it with a flag carrying the call's tag
-and epoch, so the reduce-scatter happens inside the GEMM, on no extra SMs.
+ops/segments.release_for says the GEMM releases) publishes it with an epoch-tagged flag, after
+the call's tag, so the reduce-scatter happens inside the GEMM, on no extra SMs.
 
 Why Triton: a persistent Triton GEMM with TMA loads ran the row-parallel shapes of Llama-70B
 at 0.97-1.07x of cuBLAS on an H200 before any epilogue work, and its epilogue is ordinary code
@@ -32,8 +32,7 @@ from megatron_tokenweave.kernels.inbox import GemmInbox
 from megatron_tokenweave.kernels.owner_gemm_pingpong import launch as launch_pingpong
 from megatron_tokenweave.kernels.owner_protocol import (
     PER_CALL,
-    call_flag,
-    inbox_tag,
+    call_epoch,
     release_tiles,
     tile_destination,
     tile_of,
@@ -57,7 +56,7 @@ def _store_tile(dst, acc, bias_ptr, valid_rows, col0, N, HAS_BIAS: tl.constexpr,
 
 @triton.jit(do_not_specialize=PER_CALL)
 def _owner_gemm_kernel(
-    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
+    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off, tags_off,
     rank, set_index, call_tag, set_words, flag_blocks, flag_tiles,
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
     HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -65,7 +64,7 @@ def _owner_gemm_kernel(
     HALVES: tl.constexpr, FLAG_LANES: tl.constexpr, RELEASE: tl.constexpr,
 ):
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
-    flag = call_flag(control_ptr, set_index, call_tag)
+    epoch = call_epoch(control_ptr, set_index)
     blocks = tl.cdiv(seg_rows, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -93,18 +92,18 @@ def _owner_gemm_kernel(
     # (a serial loop of loads and stores here cost 2-4 % of short GEMMs, measured).
     if RELEASE:
         tl.debug_barrier()
-        release_tiles(tl.arange(0, FLAG_LANES), num_m * num_n, flag, start, blocks, num_m,
-                      per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index,
-                      set_words, flag_blocks, flag_tiles, num_ctas)
+        release_tiles(tl.arange(0, FLAG_LANES), num_m * num_n, epoch, start, blocks, num_m,
+                      per_group, GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, tags_off, rank,
+                      set_index, call_tag, set_words, flag_blocks, flag_tiles, num_ctas)
 
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, tag: int) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
-    ctas: persistent CTAs (the SMs left to the GEMM); tag: the call's tag, which its consumer
-    passes too (its flags carry inbox_tag(tag): the owner gives up on a source's tiles of
-    another call). The segments' tiles pick the kernel:
+    ctas: persistent CTAs (the SMs left to the GEMM); tag: the call's tag (31 bits), which its
+    consumer passes too: published into each owner's inbox before the flags, the owner gives
+    up on a source's tiles of another call. The segments' tiles pick the kernel:
     this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster.
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
     the consumer after this kernel ("consumer": no fence, no flags here)."""
@@ -115,8 +114,8 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     grid = max(1, min(ctas, num_m * t.col_tiles(weight.shape[0])))
     start = (inbox.rank + 1) % inbox.world * seg.blocks()
     regions = inbox.bases + [inbox.bases[0]] * (MAX_RANKS - inbox.world)
-    protocol = (inbox.control, *regions, inbox.slots_off, inbox.rank, set_index,
-                inbox_tag(tag), inbox.set_words, inbox.flag_blocks, inbox.flag_tiles,
+    protocol = (inbox.control, *regions, inbox.slots_off, inbox.tags_off, inbox.rank, set_index,
+                tag, inbox.set_words, inbox.flag_blocks, inbox.flag_tiles,
                 seg.first, seg.step, seg.rows, seg.total, seg.row0, inbox.slot_rows, num_m,
                 start, weight.shape[0], weight.shape[1], grid)
     if t.consumers == 2:

@@ -41,7 +41,7 @@ from triton.language.core import _aggregate as aggregate
 
 from megatron_tokenweave.kernels.owner_protocol import (
     PER_CALL,
-    call_flag,
+    call_epoch,
     release_tiles,
     tile_destination,
     tile_of,
@@ -148,7 +148,7 @@ def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3,
 
 @gluon.jit(do_not_specialize=PER_CALL)
 def _pingpong_kernel(
-    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off,
+    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off, tags_off,
     rank, set_index, call_tag, set_words, flag_blocks, flag_tiles,
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
     HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, RELEASE: gl.constexpr,
@@ -156,7 +156,7 @@ def _pingpong_kernel(
     bm: gl.constexpr = a_desc.block_type.shape[0]
     bk: gl.constexpr = a_desc.block_type.shape[1]
     bn: gl.constexpr = b_desc.block_type.shape[0]
-    flag = call_flag(control_ptr, set_index, call_tag)
+    epoch = call_epoch(control_ptr, set_index)
     blocks = gl.cdiv(seg_rows, bm)
     k_tiles = gl.cdiv(K, bk)
     per_group = GROUP_M * gl.cdiv(N, bn)
@@ -185,8 +185,9 @@ def _pingpong_kernel(
     # that orders every consumer's stores before warp 0's fence.
     if RELEASE:
         release_tiles(gl.arange(0, _FLAG_LANES, layout=gl.BlockedLayout([1], [32], [4], [0])),
-                      tiles, flag, start, blocks, num_m, per_group, GROUP_M, r0, r1, r2, r3, r4,
-                      r5, r6, r7, rank, set_index, set_words, flag_blocks, flag_tiles, num_ctas)
+                      tiles, epoch, start, blocks, num_m, per_group, GROUP_M, r0, r1, r2, r3, r4,
+                      r5, r6, r7, tags_off, rank, set_index, call_tag, set_words, flag_blocks,
+                      flag_tiles, num_ctas)
 
 
 @functools.cache

@@ -1,28 +1,24 @@
 """What both communicating row-parallel GEMM kernels share (owner_gemm.py's and
-owner_gemm_pingpong.py's): the call's flag (its tag and epoch), the tile order, where a tile goes
-in its owner's inbox and the release of a CTA's tiles, as Triton device functions (Gluon kernels
-call them too), and the launch arguments that change from call to call."""
+owner_gemm_pingpong.py's): the call's epoch, the tile order, where a tile goes in its owner's
+inbox and the release of a CTA's tiles (the call's tag, then the flags), as Triton device
+functions (Gluon kernels call them too), and the launch arguments that change from call to
+call."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-# gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 0xFFFF, the low 16 bits of a flag
-EPOCH_WRAP = tl.constexpr(0xFFFF)
-
-
-def inbox_tag(tag: int) -> int:
-    """The 15-bit tag a flag carries for a call's 32-bit tag (gemm_reduce.cuh inbox_tag)."""
-    return tag % 0x7FFF + 1
+# gemm_reduce.cuh next_inbox_epoch: epochs run 1 .. 2^31 - 1
+EPOCH_WRAP = tl.constexpr(0x7FFFFFFF)
+TAG_SLOTS = tl.constexpr(8)  # tag[set][src] words per set in an inbox (kernels/inbox.py)
 
 
 @triton.jit
-def call_flag(control_ptr, set_index, call_tag):
-    """This call's flag: its inbox tag (`inbox_tag`, the consumer checks it) above the epoch,
-    the set's last one (the consumer writes it back) + 1, wrapping."""
+def call_epoch(control_ptr, set_index):
+    """This call's epoch: the set's last one (the consumer writes it back) + 1, wrapping."""
     last = tl.load(control_ptr + set_index)
-    return call_tag * 65536 + tl.where(last >= EPOCH_WRAP, 1, last + 1)
+    return tl.where(last >= EPOCH_WRAP, 1, last + 1)
 
 
 @triton.jit
@@ -65,36 +61,54 @@ def tile_destination(owner, m, pn, seg_rows, total, r0, r1, r2, r3, r4, r5, r6, 
 
 
 @triton.jit
-def _publish_flags(mine, tiles, value, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
+def _publish_flags(mine, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
                    r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
                    flag_tiles):
-    """flag = `value` (the call's flag) of each tile in `mine` (those below `tiles`), in its
-    owner's inbox: a relaxed system-scope store by warp 0's threads, a release after their
-    fence (`release_tiles`)."""
+    """flag = epoch of each tile in `mine` (those below `tiles`), in its owner's inbox: a relaxed
+    system-scope store by warp 0's threads, a release after their fence (`release_tiles`)."""
     f_owner, f_m, f_pn = tile_of(mine, start, blocks, num_m, per_group, GROUP_M)
     flags = region_base(f_owner, r0, r1, r2, r3, r4, r5, r6, r7).to(tl.pointer_type(tl.int32))
     flag = flags + set_index * set_words + (rank * flag_blocks + f_m) * flag_tiles + f_pn
     tl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; "
         "setp.ne.and.s32 p, $3, 0, p; @p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
-        "=r,l,r,r", [flag, value, (mine < tiles).to(tl.int32)],
+        "=r,l,r,r", [flag, epoch, (mine < tiles).to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def release_tiles(lanes, tiles, value, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
-                  r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words, flag_blocks,
-                  flag_tiles, num_ctas):
-    """Both kernels' tail, once per CTA after a barrier of all its threads: publish the flags
-    of the CTA's tiles (program_id, + num_ctas, ... below `tiles`), `lanes` (0 .. L - 1, in the
-    caller's layout) at once. Warp 0 alone fences and stores: after the barrier its
-    system-scope fence is cumulative over every thread's stores, so its relaxed flag stores are
-    releases. (A fence per tile cost 5-10 % of the GEMM; a fence in every warp of the CTA 0.5 us
-    more than one at 1K tokens; measured, docs/kernel.md.)"""
+def _publish_tag(lanes, call_tag, r0, r1, r2, r3, r4, r5, r6, r7, tags_off, rank, set_index):
+    """tag[set][rank] = call_tag in every owner's inbox (lanes below TAG_SLOTS; past the group
+    the region bases repeat rank 0's, which then gets the same value again): relaxed
+    system-scope stores by warp 0's threads, before their fence (`release_tiles`)."""
+    owner = lanes % TAG_SLOTS
+    tags = (region_base(owner, r0, r1, r2, r3, r4, r5, r6, r7) + tags_off).to(
+        tl.pointer_type(tl.int32))
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; "
+        "setp.ne.and.s32 p, $3, 0, p; @p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, $2; }",
+        "=r,l,r,r", [tags + set_index * TAG_SLOTS + rank, call_tag + lanes * 0,
+                     (lanes < TAG_SLOTS).to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def release_tiles(lanes, tiles, epoch, start, blocks, num_m, per_group, GROUP_M: tl.constexpr,
+                  r0, r1, r2, r3, r4, r5, r6, r7, tags_off, rank, set_index, call_tag,
+                  set_words, flag_blocks, flag_tiles, num_ctas):
+    """Both kernels' tail, once per CTA after a barrier of all its threads: the call's tag into
+    every owner's inbox, then the flags of the CTA's tiles (program_id, + num_ctas, ... below
+    `tiles`), `lanes` (0 .. L - 1, in the caller's layout) at once. Warp 0 alone stores and
+    fences: after the barrier its system-scope fence is cumulative over every thread's stores,
+    so its relaxed flag stores are releases of the tiles and of the tag. (A fence per tile cost
+    5-10 % of the GEMM; a fence in every warp of the CTA 0.5 us more than one at 1K tokens;
+    measured, docs/kernel.md.)"""
+    tagged = _publish_tag(lanes, call_tag, r0, r1, r2, r3, r4, r5, r6, r7, tags_off, rank,
+                          set_index)
     done = tl.inline_asm_elementwise(
         "{ .reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 q, t, 32; "
         "@q fence.acq_rel.sys; mov.b32 $0, $1; }",
-        "=r,r", [value + lanes * 0], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,r", [epoch + tagged * 0], dtype=tl.int32, is_pure=False, pack=1)
     for chunk in range(tl.program_id(0), tiles, num_ctas * lanes.shape[0]):
         _publish_flags(chunk + lanes * num_ctas, tiles, done, start, blocks, num_m, per_group,
                        GROUP_M, r0, r1, r2, r3, r4, r5, r6, r7, rank, set_index, set_words,

@@ -576,7 +576,9 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     assert nphased >= 8, nphased
     assert world < kernels.TWOSHOT_MIN_WORLD or "twoshot" in paths_taken
     t_cases = time.time() - t0
+    _progress(rank, world, f"protocol cases {t_cases:.1f} s")
     t_loop = _alternating_calls(comms, buf, world, rank, dev)
+    _progress(rank, world, f"{LOOP_CALLS} alternating calls {t_loop:.1f} s")
     _misaligned_raise(comms["default"])
     buf.check_error()
     for comm in comms.values():
@@ -584,6 +586,7 @@ def _worker_one_gpu(rank: int, world: int, port: int) -> None:
     buf.close()
     _timeout_check(group, rank, dev)
     _failure_surfaces_under_graphs(group, rank, dev)
+    _progress(rank, world, "timeouts eager and under graphs")
     _divergence(group, rank, dev)
     print(f"[rank {rank}/{world}] one-GPU protocol OK: cases {t_cases:.1f}s, {LOOP_CALLS} "
           f"calls {t_loop:.1f}s", flush=True)
@@ -616,6 +619,12 @@ DIVERGENCE_PATHS = (("one-shot", "replicated", 8, "fused", True),
 DIVERGENCE_CALLS, SKIPPED, SITES = 8, 2, 4  # calls i, the one the last rank misses, call numbers
 
 
+def _progress(rank: int, world: int, what: str) -> None:
+    """Rank 0 says what passed (a long one-GPU job shows where it is)."""
+    if rank == 0:
+        print(f"[{world} ranks, {time.strftime('%X')}] passed: {what}", flush=True)
+
+
 def _divergence(group, rank, dev) -> None:
     """The last rank misses call SKIPPED of a sequence whose calls are numbered as a layer's
     (i % SITES); every rank goes on calling. Every output of every call on every rank is then
@@ -625,6 +634,7 @@ def _divergence(group, rank, dev) -> None:
     os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "2"
     for case, graphed in itertools.product(DIVERGENCE_PATHS, (False, True)):
         _divergence_case(group, rank, dev, *case, graphed)
+        _progress(rank, dist.get_world_size(group), f"divergence: {case[0]}, graphed={graphed}")
     os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 

@@ -18,13 +18,14 @@
 //   inbox (st.release.sys), and every owner waits on that one flag per source: its whole
 //   segment is one block of one tile. Every CTA publishes, so none waits on another CTA of its
 //   own grid.
-// `e` is the set's flag for this call: the call's 15-bit inbox tag (inbox_tag of the call's tag,
-// which its GEMM and consumer share) above the set's 16-bit epoch: every rank keeps epoch[set]
-// in its own inbox, the GEMM stores with epoch[set] + 1 and the consumer's last CTA writes that
-// value back when the call is over, so ranks that make the same calls in the same order stay in
-// step (CUDA graphs replay with fresh epochs, as the kernel reads them from memory). A flag of
-// this epoch with another tag, or of a later epoch, is a source on another call
-// (kCallMismatch): the owner gives up before it reads the source's tiles. Two sets (the woven
+// `e` is the set's epoch: every rank keeps epoch[set] in its own inbox, the GEMM
+// stores with epoch[set] + 1 and the consumer's last CTA writes that value back when the call is
+// over, so ranks that make the same calls in the same order stay in step (CUDA graphs replay
+// with fresh epochs, as the kernel reads them from memory). Whoever publishes a source's flags
+// (the GEMM's CTAs, or its consumer) first stores the call's tag into tag[set][src] of each
+// owner's inbox, ordered before the flags by the same fence (release): an owner that sees a
+// source's flags of this epoch then reads that source's tag, and another call's tag
+// (kCallMismatch) makes it give up before it reads the source's tiles. Two sets (the woven
 // schedule's halves) let half B's GEMM store while half A's consumer still reads its rows.
 // The consumer on rank r, CTA b of G (the same G everywhere: it depends on seg_rows and the CTA
 // count only):
@@ -67,25 +68,20 @@ struct InboxParams {
   int tiles_stride;          // words between blocks
   uint32_t* epoch;           // local: this set's epoch (the last call's)
   uint32_t* done;            // local: CTAs of this set's current consumer that finished
+  const uint32_t* tags;      // local: this set's tag[src], stored by whoever published src's flags
   uint32_t* publish[kMaxRanks];  // consumer release: rank q's flag[set][this rank][0][0]; else
                                  // null (the GEMM published)
+  uint32_t* publish_tag[kMaxRanks];  // consumer release: rank q's tag[set][this rank]
 };
 
-// The epoch a call uses after `last` (0 is "never written"; epochs are 16 bits of a flag).
+// The epoch a call uses after `last` (0 is "never written").
 __host__ __device__ __forceinline__ uint32_t next_inbox_epoch(uint32_t last) {
-  return last >= 0xffffu ? 1u : last + 1u;
+  return last >= 0x7fffffffu ? 1u : last + 1u;
 }
 
-// The 15-bit inbox tag of a call's tag (megatron_tokenweave/kernels/owner_protocol.py has the
-// same for the GEMM's flags), and a flag: that tag above the epoch.
-__host__ __device__ __forceinline__ uint32_t inbox_tag(uint32_t tag) { return tag % 0x7fffu + 1u; }
-__host__ __device__ __forceinline__ uint32_t inbox_flag(uint32_t tag, uint32_t epoch) {
-  return (inbox_tag(tag) << 16) | epoch;
-}
-
-// All threads: wait until every source's flags of block `blk` read `e` (inbox_flag). False (for
-// every thread) after timeout_ns, or at once when a source's flag is of another call (this
-// epoch with another tag, or a later epoch), with the error recorded.
+// All threads: wait until every source's flags of block `blk` read `e`, and (p.tag != 0) that
+// every source's tag is this call's. False (for every thread) after timeout_ns, or at once for
+// a source on another call, with the error recorded.
 __device__ __forceinline__ bool wait_block(const FusedParams& p, const InboxParams& g, int blk,
                                            uint32_t e) {
   SignalPad* self = reinterpret_cast<SignalPad*>(p.bases[p.world + p.rank]);
@@ -97,18 +93,18 @@ __device__ __forceinline__ bool wait_block(const FusedParams& p, const InboxPara
         g.flags + q * g.src_stride + static_cast<int64_t>(blk) * g.tiles_stride + t;
     const uint64_t t0 = global_timer_ns();
     uint32_t spins = 0;
-    uint32_t seen;
-    while ((seen = ld_acquire_sys(flag)) != e) {
-      if (static_cast<int16_t>((seen & 0xffffu) - (e & 0xffffu)) >= 0 && seen != 0) {
-        record_error(self, kCallMismatch, q, blk, e & 0xffffu, seen & 0xffffu, e >> 16,
-                     seen >> 16);
+    while (ld_acquire_sys(flag) != e) {
+      if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
+        record_error(self, kTimeoutTile, q, blk, e);
         fail = 1;
         break;
       }
-      if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > p.timeout_ns) {
-        record_error(self, kTimeoutTile, q, blk, e & 0xffffu);
+    }
+    if (!fail && t == 0 && p.tag != 0) {
+      const uint32_t theirs = ld_relaxed_sys(g.tags + q);  // after its flag: its tag
+      if (theirs != p.tag) {
+        record_error(self, kCallMismatch, q, blk, e, e, p.tag, theirs);
         fail = 1;
-        break;
       }
     }
   }
@@ -128,13 +124,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.x == 0) s_inbox_epoch = next_inbox_epoch(*g.epoch);
   const uint32_t e = begin_cta(p, &s_epoch, &s_fail);  // syncs: s_inbox_epoch is set too
   const uint32_t ie = s_inbox_epoch;
-  const uint32_t flag = inbox_flag(p.tag, ie);
   // Consumer release: this rank's GEMM, earlier on this stream, has ended (the kernel boundary
   // is what makes its stores complete: a launch overlapping the GEMM's grid, such as a
   // programmatic dependent one, would have to wait for that grid first); the release store
   // orders those stores before the flag for every reader that acquires it.
-  if (g.publish[0] != nullptr && e != 0 && threadIdx.x < p.world)
-    st_release_sys(g.publish[threadIdx.x], flag);
+  if (g.publish[0] != nullptr && e != 0 && threadIdx.x < p.world) {
+    st_relaxed_sys(g.publish_tag[threadIdx.x], p.tag);  // ordered by the release below
+    st_release_sys(g.publish[threadIdx.x], ie);
+  }
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
   const bool sp = p.sequence_parallel != 0;
@@ -147,7 +144,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int j = blockIdx.x; j < g.my_rows; j += gridDim.x, parity ^= 1) {
       if (j / g.block_rows != block) {
         block = j / g.block_rows;
-        if (!wait_block(p, g, block, flag)) return false;
+        if (!wait_block(p, g, block, ie)) return false;
       }
       const char* slot_row = g.data + static_cast<int64_t>(g.row0 + j) * row_bytes;
       const int64_t roff = static_cast<int64_t>(first_row + j) * row_bytes;
