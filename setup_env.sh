@@ -3,8 +3,9 @@
 # this package into it. On a CPU machine: torch 2.13.0 (CPU build), megatron-core 0.19.2 (its
 # metadata asks for Python >= 3.12; it runs on 3.11, so it goes in with --no-deps
 # --ignore-requires-python), triton (megatron-core imports it), pytest, ruff, and what Megatron's
-# static engine and Flask text generation server import (tqdm, flask, flask-restful), and
-# matplotlib (the benchmarks' plots, which the tests draw from synthetic results).
+# static engine and Flask text generation server import (tqdm, flask, flask-restful), psutil
+# (Megatron's distributed checkpoint writer), and matplotlib (the benchmarks' plots, which the
+# tests draw from synthetic results).
 # Never installs TransformerEngine (it breaks `import megatron.core` on machines without CUDA).
 # TOKENWEAVE_VENV picks the folder (default .venv); PYTHON the interpreter (default python3).
 set -euo pipefail

@@ -715,7 +715,8 @@ def _divergence_case(group, rank, dev, name: str, layout_name: str, n: int, kind
 
     what = f"{name} graphed={graphed} rank {rank}/{world}"
     run(False)  # in step: every call right (and the kernels compiled, the buffers made)
-    assert verdicts() == ["ok"] * DIVERGENCE_CALLS, what
+    healthy = verdicts()
+    assert healthy == ["ok"] * DIVERGENCE_CALLS, (what, healthy, comm.symmetric.error())
     comm.raise_if_failed()
     dist.barrier(group)
     for c in calls:  # poison: an unwritten output must not read as right

@@ -20,17 +20,21 @@
 //      peer's rows. After it, every peer's stream has reached this very call, so its partial rows
 //      are written and its normed_out rows are free;
 //   3. moves data (loads peers' partials, stores normed rows to peers);
-//   4. END barrier: __syncthreads, then the same with pad.end (epoch only, exact): after it every
-//      peer's CTA b has finished reading my partial rows and writing my normed rows of the row
-//      set owned by b (rows are split between CTAs by index, identically on every rank). The
-//      launch on rank r completes only when all its CTAs passed END, so when the next kernel on
-//      r's stream runs, no peer touches r's buffer for this op any more.
+//   4. END barrier: __syncthreads, then the same with pad.end, waiting until the flag reaches e
+//      (epochs only: a peer may be past it here, see below): after it every peer's CTA b has
+//      finished reading my partial rows and writing my normed rows of the row set owned by b
+//      (rows are split between CTAs by index, identically on every rank). The launch on rank r
+//      completes only when all its CTAs passed END, so when the next kernel on r's stream runs,
+//      no peer touches r's buffer for this op any more.
 // No flag is reused too early: a peer writes start=e+1 into my slot only after it passed END(e),
 // which needs my end=e, which I write after I consumed start=e; a peer writes end=e+1 only after
 // it passed START(e+1), which needs my start=e+1, which I write after I consumed end=e. So every
-// slot is overwritten only after its previous value was read, and a healthy peer's flag is never
-// past the epoch I wait for (the wait uses wrap-safe ordering; past it is a divergence). A tag
-// is read only after its flag (acquire), so it is the tag the flag's writer stored first.
+// start slot is overwritten only after its previous value was read, and a healthy peer's start
+// flag is never past the epoch I wait for (past it is a divergence). An end flag may be: a
+// kernel with an END barrier only (the GEMM-fused consumer, gemm_reduce.cuh, whose call is
+// checked by its flags and tags instead) lets a peer that passed END(e) reach END(e + 1) while I
+// still wait, so END accepts any epoch from e on (wrap-safe ordering). A tag is read only after
+// its flag (acquire), so it is the tag the flag's writer stored first.
 // No deadlock: a CTA only waits for CTAs of the same index on other ranks, which wait for nothing
 // but this CTA's flags; every CTA eventually becomes resident (G <= kMaxCtas, other kernels on the
 // GPU do not wait on us), and ops are issued in the same order on every rank (caller's contract:
@@ -148,8 +152,8 @@ __device__ __forceinline__ uint32_t next_epoch(SignalPad* self, int b) {
 }
 
 // One barrier phase (start or end) of CTA b among `world` ranks. All threads of the CTA call it.
-// Returns false (for every thread) if a peer did not arrive within timeout_ns or is on another
-// call (START: `tag` is this call's, 0 for a launch that checks none; END: epochs only).
+// Returns false (for every thread) if a peer did not arrive within timeout_ns or (START only) is
+// on another call: its flag past e, or its tag not `tag` (0: a launch that checks none).
 // `pad_bases[q]` is rank q's signal pad (device array of peer pointers).
 template <bool kEnd>
 __device__ __forceinline__ bool cta_barrier(const int64_t* pad_bases, int rank, int world, int b,
@@ -176,11 +180,11 @@ __device__ __forceinline__ bool cta_barrier(const int64_t* pad_bases, int rank, 
       }
       seen = ld_acquire_sys(mine);
     }
-    if (!failed && seen != e) {  // the peer is past this call
+    if (!kEnd && !failed && seen != e) {  // the peer is past this call
       record_error(self, kCallMismatch, t, b, e, seen, tag,
-                   kEnd ? 0u : ld_relaxed_sys(&self->start_tag[b][t]));
+                   ld_relaxed_sys(&self->start_tag[b][t]));
       failed = true;
-    } else if (!failed && !kEnd && tag != 0) {
+    } else if (!kEnd && !failed && tag != 0) {
       const uint32_t theirs = ld_relaxed_sys(&self->start_tag[b][t]);
       if (theirs != tag) {
         record_error(self, kCallMismatch, t, b, e, seen, tag, theirs);
