@@ -131,7 +131,7 @@ def _unfused(layer: ModuleSpec, m: Modules, norm: str, mixer: str, column: str, 
                                submodules=sub)
 
 
-def hybrid_stack_spec_of(m: Modules, params: dict[str, Any] | None = None) -> ModuleSpec:
+def hybrid_stack_spec_of(m: Modules) -> ModuleSpec:
     """Megatron's hybrid_stack_spec built from the modules `m`."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
@@ -152,7 +152,7 @@ def hybrid_stack_spec_of(m: Modules, params: dict[str, Any] | None = None) -> Mo
                            "out_proj", out_norm=m.norm),
     )
     return ModuleSpec(module=TokenWeaveHybridStack, submodules=submodules,
-                      params={"final_norm": m.norm, **(params or {})})
+                      params={"final_norm": m.norm})
 
 
 def get_hybrid_stack_tokenweave_spec(

@@ -47,6 +47,11 @@ class WovenLayer:
     # What the stock class's forward returns: TransformerLayer (output, context), MambaLayer
     # the output alone.
     _returns_context = True
+    _stock: type  # the Megatron class a subclass weaves (its last base), whose forward falls back
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._stock = cls.__bases__[-1]
 
     def __init__(
         self, *args: Any, tokenweave_config: TokenWeaveConfig | None = None, **kwargs: Any
@@ -183,9 +188,8 @@ class WovenLayer:
         handoff = self._chain.claim(hidden_states)
         reason = self._unsupported_reason(hidden_states)
         if reason is not None:
-            stock = next(c for c in type(self).__mro__ if c in WOVEN_LAYERS)
-            log_once(f"fallback:{stock.__name__}:{reason}",
-                     f"TokenWeave: stock {stock.__name__} path ({reason})")
+            stock = self._stock.__name__
+            log_once(f"fallback:{stock}:{reason}", f"TokenWeave: stock {stock} path ({reason})")
             if handoff is not None:
                 handoff.wait()  # the stock path reads the residual on the current stream
             out = super().forward(hidden_states, *args, **kwargs)

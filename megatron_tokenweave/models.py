@@ -211,38 +211,3 @@ def stock_and_tokenweave(
         stock, woven = stock.cuda(), woven.cuda()
     woven.load_state_dict(stock.state_dict(), strict=True)
     return stock, woven
-
-
-def stock_and_tokenweave_hybrid(
-    shape: Shape,
-    pattern: str,
-    tp: int,
-    tokenweave_config: Any = None,
-    use_te: bool | None = None,
-    max_seq: int = 4096,
-    moe_dispatch: str = "allgather",
-    **config_overrides: Any,
-) -> tuple[HybridModel, HybridModel]:
-    """(stock, tokenweave) HybridModels of `shape` and `pattern` with the same (random) weights:
-    Megatron's hybrid_stack_spec and the TokenWeave TE flavour when `use_te` (default: when TE
-    imports), else their local forms; MoE shapes' experts dispatched by `moe_dispatch`. On a GPU
-    both are bf16 CUDA models; on a CPU-only machine fp32 CPU models."""
-    from megatron_tokenweave.cpu_compat import cpu_device_scope
-    from megatron_tokenweave.hybrid import get_hybrid_stack_tokenweave_spec
-    from megatron_tokenweave.spec import te_available
-
-    gpu = torch.cuda.is_available()
-    use_te = te_available() if use_te is None else use_te
-    if gpu:
-        config_overrides = dict(bf16=True, params_dtype=torch.bfloat16, **config_overrides)
-    with cpu_device_scope():
-        config = llama_config(shape, pattern_layers(pattern), tp, moe_dispatch,
-                              is_hybrid_model=True, **config_overrides)
-        stock = build_hybrid(config, stock_hybrid_stack_spec(use_te), shape.vocab, max_seq,
-                             pattern)
-        woven = build_hybrid(config, get_hybrid_stack_tokenweave_spec(use_te, tokenweave_config),
-                             shape.vocab, max_seq, pattern)
-    if gpu:
-        stock, woven = stock.cuda(), woven.cuda()
-    woven.load_state_dict(stock.state_dict(), strict=True)
-    return stock, woven

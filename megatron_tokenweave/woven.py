@@ -44,14 +44,12 @@ Norm = tuple[torch.Tensor, float]  # (weight, eps) of an RMSNorm the fused op ap
 @dataclass
 class Ops:
     """The fused ops after one stage's row-parallel linear: the residual rows they add, the
-    norm they apply (None: add only), their CTAs beside the other half, the stage's place in
-    the model (`site`: its ops are calls site * 2 + half, the same on every rank) and each
-    half's pending op."""
+    norm they apply (None: add only), their CTAs beside the other half, and each half's
+    pending op."""
 
     residual: torch.Tensor
     norm: Norm | None
     ctas: int
-    site: int
     ops: list[Pending] = field(default_factory=list)
 
 
@@ -110,7 +108,7 @@ class WovenForward:
             self.comm.allreduce_rmsnorm, self.partials[i], ops.residual[rows], weight, eps,
             self.residual_out[rows], self.halves[i].of(self.normed) if weight is not None else None,
             self.layout, comm=self.plan.comm, segments=self.gemm_segments[i], set_index=i,
-            call=ops.site * 2 + i, validate=self.validate)
+            call=self.site * 2 + i, validate=self.validate)
         if not self.split:
             run(ctas=self.plan.comm_ctas_alone)
             ops.ops.append(Pending())
@@ -164,11 +162,10 @@ class WovenForward:
         sum is queued. Token-wise mixers run half by half, each half after its input arrived;
         the others run their core on all rows, their first linear per half as its input
         arrives and their last linear per half. `site`: the stage's place in the model, the
-        same on every rank (Ops)."""
+        same on every rank: its ops and communicating GEMMs are calls site * 2 + half."""
         self.site = site
         ops = Ops(residual, next_norm,
-                  self.plan.comm_ctas_mlp if stage.tokenwise else self.plan.comm_ctas_attn,
-                  site)
+                  self.plan.comm_ctas_mlp if stage.tokenwise else self.plan.comm_ctas_attn)
         if not stage.tokenwise:
             plans = {
                 stage.column: Weave(self.chunks, self.halves, before=lambda i: inputs[i].wait()),
