@@ -60,6 +60,9 @@
 #   calls  the kernel protocol with 2, 4 and 8 ranks sharing one GPU, the divergence checks (a
 #          rank that misses a call) among them, then what the call check costs the one-shot
 #          path (bench call_check)
+#   gemm_diag  where the communicating GEMM falls short of cuBLAS at counts that are not powers
+#          of two: each tile shape forced and cuBLAS over the covered rows (bench gemm_fused
+#          --breakdown), three families' shards at TP 2 and 8
 #   serve_hybrid  the serving tests of GPTModel and HybridModel with ranks sharing one GPU, but
 #          the OpenAI soak and the SIGTERM stop (fa4 and .ci/stage_serve.sh carried)
 set -u
@@ -213,6 +216,11 @@ case "$phase" in
     TAIL=12 step kernel_one_gpu 500 python -m pytest -v -s tests/gpu/test_kernel.py -k one_gpu
     TAIL=40 step call_check 200 python -m megatron_tokenweave.bench call_check \
       --out "$out/call_check_1gpu.json"
+    ;;
+  gemm_diag)
+    TAIL=70 step gemm_diag 420 python -m megatron_tokenweave.bench gemm_fused --breakdown \
+      --models llama-3.3-70b llama-3-8b qwen2.5-32b --tp 2 8 --tokens 777 1000 1531 3001 6143 \
+      --iters 10 --out "$out/gemm_diag_1gpu.json"
     ;;
   serve_hybrid)
     TAIL=14 step serve_hybrid 560 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \

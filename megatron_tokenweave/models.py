@@ -37,6 +37,8 @@ class Shape:
 SHAPES = {
     "llama-3-8b": Shape(4096, 14336, 32, 8),
     "llama-3.3-70b": Shape(8192, 28672, 64, 8),
+    "qwen2.5-7b": Shape(3584, 18944, 28, 4, vocab=152064, qkv_bias=True),
+    "qwen2.5-32b": Shape(5120, 27648, 40, 8, vocab=152064, qkv_bias=True),
     "qwen2.5-72b": Shape(8192, 29568, 64, 8, vocab=152064, qkv_bias=True),
     "mixtral-8x7b": Shape(4096, 14336, 32, 8, vocab=32000, experts=8, topk=2),
     "tiny": Shape(64, 160, 4, 2, vocab=256),

@@ -114,10 +114,10 @@ def test_nonempty_blocks_are_the_first_ones_in_owner_order(layout, world):
 @pytest.mark.parametrize("hidden,k,ctas", OUTPUTS)
 def test_tiles_are_pingpong_by_its_rule_else_the_fewest_estimated_tile_times(layout, world,
                                                                             hidden, k, ctas):
-    """The ping-pong kernel where its tiles per CTA reach the threshold of the call's K, or
-    where the least estimate is WIDE's and K is long; else the one-consumer candidate with
-    the least estimate, counting the tiles the segments really have (row_blocks against
-    nonempty_blocks)."""
+    """The ping-pong kernel where its waves take no longer than the best one-consumer tiles'
+    and either its tiles per CTA reach the threshold of the call's K or the least estimate is
+    WIDE's and K is long; else the one-consumer candidate with the least estimate, counting
+    the tiles the segments really have (row_blocks against nonempty_blocks)."""
     for rows in range(1, 4097, 7):
         seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas)
         got = seg.tiles
@@ -128,7 +128,8 @@ def test_tiles_are_pingpong_by_its_rule_else_the_fewest_estimated_tile_times(lay
                  for t in (LARGE, WIDE, SMALL)}
         least = min(times, key=times.get)
         in_wides_place = least is WIDE and k > PINGPONG_MAX_K
-        assert (got is PINGPONG) == (per_cta >= need or in_wides_place), rows
+        no_slower = estimated_time(PINGPONG, layout, world, rows, hidden, ctas) <= times[least]
+        assert (got is PINGPONG) == (no_slower and (per_cta >= need or in_wides_place)), rows
         if got is not PINGPONG:
             assert times[got] == min(times.values()), rows
 
@@ -147,7 +148,8 @@ def test_tiles_of_the_measured_shapes():
     the SMs idle), at 1024 and long K the large ones; Llama-70B at 512 tokens and TP 8 keeps the
     large ones (four owners of 128 rows); a decode-sized call the small ones. Ping-pong: from 3
     tiles per CTA, and from 2 (1024 tokens of Llama-3-8B) for short K; in WIDE's place for long
-    K (Llama-3-8B's fc2 at 512 tokens and TP 2 or 4)."""
+    K (Llama-3-8B's fc2 at 512 tokens and TP 2 or 4). Not where its waves outlast WIDE's
+    (Qwen2.5-32B's o_proj at 777 tokens)."""
     rep = Layout.REPLICATED
     assert tiles_for(rep, 2, 512, 4096, 2048, 132) is WIDE
     assert tiles_for(rep, 4, 512, 4096, 1024, 132) is WIDE
@@ -162,6 +164,7 @@ def test_tiles_of_the_measured_shapes():
     assert tiles_for(rep, 8, 2048, 4096, 1792, 132) is PINGPONG
     assert tiles_for(rep, 4, 2048, 4096, 3584, 132) is PINGPONG  # 3.9 tiles per CTA
     assert tiles_for(rep, 2, 1024, 8192, 14336, 132) is PINGPONG
+    assert tiles_for(rep, 2, 777, 5120, 2560, 132) is WIDE
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -20,6 +20,7 @@ import torch
 
 from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.kernels.symmetric import ERROR_WORDS, PeerBuffer
 from megatron_tokenweave.ops.validate import Layout
 
 CALLS = 10  # calls per rank in one timed graph
@@ -58,6 +59,15 @@ class LoopbackRanks:
         bases = torch.tensor(data + self.allocs, dtype=torch.int64, device=device)
         self.ranks = [_Rank(bases, r, world, data[r], nbytes, device) for r in range(world)]
         self.data = [ops.tensor_from_ptr(d, nbytes, device.index) for d in data]
+        self.errors = [ops.tensor_from_ptr(a, 4 * ERROR_WORDS, device.index).view(torch.int32)
+                       for a in self.allocs]
+
+    def describe_errors(self) -> str:
+        """What each rank's kernels recorded when they gave up (the signal pads' error words)."""
+        torch.cuda.synchronize(self.device)
+        said = [PeerBuffer.describe_error(rank, *(int(x) for x in words.tolist()))
+                for rank, words in zip(self.ranks, self.errors, strict=True)]
+        return "; ".join(s for s in said if s) or "no rank recorded an error"
 
     def close(self) -> None:
         for a in self.allocs:
@@ -66,18 +76,21 @@ class LoopbackRanks:
 
 
 def _graph(comms, parts, residuals, weights, outs, normeds, streams) -> torch.cuda.CUDAGraph:
-    """One replay: every rank's CALLS calls on its own stream, forked from and joined to the
-    capture stream."""
+    """One replay: every rank's CALLS calls on its own stream, all forked from the capture stream
+    before any joins it (a join between two forks would order a rank's calls after another's,
+    which then waits for them until it times out)."""
     graph = torch.cuda.CUDAGraph()
     main = torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=main):
+        for stream in streams:  # every fork before any join: the ranks' calls run together
+            stream.wait_stream(main)
         for r, comm in enumerate(comms):
-            streams[r].wait_stream(main)
             with torch.cuda.stream(streams[r]):
                 for c in range(CALLS):
                     comm.run(parts[r], residuals[r], weights[r], EPS, outs[r], normeds[r],
                              Layout.REPLICATED, ctas=8, call=c, validate=False)
-            main.wait_stream(streams[r])
+        for stream in streams:
+            main.wait_stream(stream)
     return graph
 
 
@@ -111,7 +124,8 @@ def _measure(world: int, tokens: int, hidden: int, iters: int) -> dict:
     torch.cuda.synchronize()
     err = max((o.float() - want).abs().max().item() for o in outs)
     if not err < 0.5:  # bf16 rounding of sums of a few unit normals
-        raise RuntimeError(f"TP {world} {tokens} x {hidden}: the ranks' outputs are off by {err}")
+        raise RuntimeError(f"TP {world} {tokens} x {hidden}: the ranks' outputs are off by {err} "
+                           f"({ranks.describe_errors()})")
     medians = interleaved_medians({n: lambda _, g=g: g.replay() for n, g in graphs.items()},
                                   iters=iters)
     for comm in comms:

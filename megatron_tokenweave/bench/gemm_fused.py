@@ -22,12 +22,16 @@ per call. `--passes N` times the same graphs N times (rows carry `pass`): a 10-2
 ratio moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the median
 over passes and their range. The tokenweave and CUTLASS rows are checked against cuBLAS before
 timing. The reduction that consumes the tiles needs peers: its timing is part of the 2-GPU
-kernel benchmark.
+kernel benchmark. `--breakdown` adds, per point, the kernel with each tile shape forced
+(`tokenweave_tiles_<name>`) and cuBLAS over the rows the picked tiles cover
+(`cublas_covered`: the call's rows rounded up to whole row blocks per segment): whether a
+shortfall is the tile pick, the padded rows, or the kernel itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -38,11 +42,17 @@ from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import RELEASES, segments
+from megatron_tokenweave.ops.segments import RELEASES, TILES, segments
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
 CALLS = 10  # calls per timed graph
+# 512-16K: powers of two, and counts that are odd, prime, or one past a tile
+SWEEP = [512, 513, 641, 777, 1000, 1024, 1279, 1531, 2047, 2048, 2500, 3001, 3583, 4096, 4099,
+         5003, 6143, 8191, 8192, 10007, 12289, 16383, 16384]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DENSE = [m for m, s in SHAPES.items() if not s.experts and s.hidden >= 1024]  # Mixtral's
+# experts are llama-3-8b's shards
 
 
 def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor], object] | None:
@@ -57,53 +67,68 @@ def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor],
     return linear
 
 
-def measure(model: str, tp: int, tokens: int, iters: int, cutlass: bool = False,
-            passes: int = 1) -> list[dict]:
-    """Rows of one (model, TP, tokens): every GEMM x impl x pass, in microseconds."""
+def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
+            cutlass: bool = False, passes: int = 1, breakdown: bool = False) -> list[dict]:
+    """Rows of one (model, TP, tokens, dtype): every GEMM x impl x pass, in microseconds."""
     from megatron_tokenweave.kernels.inbox import GemmInbox
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    dev, torch_dtype = torch.device("cuda"), DTYPES[dtype]
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    inbox = GemmInbox.loopback(tp, tokens, shape.hidden, dtype, dev)
+    inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
         seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
-        forced = {r: replace(seg, release=r) for r in RELEASES}
-        xs = [torch.randn(tokens, k, device=dev, dtype=dtype) for _ in range(CALLS)]
-        w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
-        out = torch.empty(tokens, n, device=dev, dtype=dtype)
+        covered = seg.nonempty_blocks(tp) * seg.tiles.block_rows
+        forced = {f"tokenweave_release_{r}": replace(seg, release=r) for r in RELEASES}
+        if breakdown:
+            forced.update({f"tokenweave_tiles_{t}": segments(
+                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+                for t, tiles in TILES.items()})
+        xs = [torch.randn(max(tokens, covered), k, device=dev, dtype=torch_dtype)
+              for _ in range(CALLS)]
+        w = torch.randn(n, k, device=dev, dtype=torch_dtype) / k**0.5
+        out = torch.empty(max(tokens, covered), n, device=dev, dtype=torch_dtype)
         impls = {
-            "cublas": lambda x, w=w, out=out: torch.matmul(x, w.t(), out=out),
-            "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x, w, None, inbox, seg, 0, sms, 1),
-            **{f"tokenweave_release_{r}": lambda x, w=w, s=s: owner_gemm(x, w, None, inbox, s, 0,
-                                                                          sms, 1)
-               for r, s in forced.items()},
+            "cublas": lambda x, w=w, out=out: torch.matmul(x[:tokens], w.t(), out=out[:tokens]),
+            "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x[:tokens], w, None, inbox, seg, 0,
+                                                             sms, 1),
+            **{impl: lambda x, w=w, s=s: owner_gemm(x[:tokens], w, None, inbox, s, 0, sms, 1)
+               for impl, s in forced.items()},
         }
+        if breakdown:
+            impls["cublas_covered"] = lambda x, w=w, o=out[:covered]: torch.matmul(
+                x[:o.shape[0]], w.t(), out=o)
         te = _te_linear(k, n, w)
         if te is not None:
-            impls["te"] = lambda x, te=te: te(x)
+            impls["te"] = lambda x, te=te: te(x[:tokens])
         if cutlass:
-            impls.update(_cutlass_impls(w, out))
-        _check(impls, inbox, seg, xs[0], out)
+            impls.update(_cutlass_impls(w, out[:tokens], tokens))
+        _check(impls, inbox, seg, xs[0], out[:tokens])
         with torch.no_grad():
             graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
                       for impl, fn in impls.items()}
         for p in range(passes):
             us = interleaved_medians({i: (lambda _, g=g: g.replay()) for i, g in graphs.items()},
                                      iters=iters)
-            rows += [{"model": model, "gemm": name, "tp": tp, "tokens": tokens, "impl": impl,
-                      "us": round(t / CALLS, 2), "pass": p} for impl, t in us.items()]
+            rows += [{"model": model, "gemm": name, "tp": tp, "tokens": tokens, "dtype": dtype,
+                      "impl": impl, "us": round(t / CALLS, 2), "pass": p,
+                      "tiles": _tiles_name(seg.tiles)} for impl, t in us.items()]
     inbox.close()
     return rows
 
 
-def _cutlass_impls(w: torch.Tensor, out: torch.Tensor) -> dict[str, Callable]:
+def _tiles_name(tiles) -> str:
+    return next(name for name, t in TILES.items() if t == tiles)
+
+
+def _cutlass_impls(w: torch.Tensor, out: torch.Tensor, tokens: int) -> dict[str, Callable]:
     from megatron_tokenweave.bench import cutlass_gemm
 
-    return {f"cutlass_{name}": lambda x, f=cutlass_gemm.gemm(name), w=w, out=out: f(x, w, out)
+    return {f"cutlass_{name}": lambda x, f=cutlass_gemm.gemm(name), w=w, out=out: f(x[:tokens],
+                                                                                    w, out)
             for name in cutlass_gemm.CONFIGS}
 
 
@@ -131,6 +156,9 @@ def _check(impls: dict, inbox, seg, x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _plot(result: dict, path: str) -> None:
+    """Per dtype (rows) and model (columns): cuBLAS time / ours against token count, one line
+    per shard (GEMM, TP), the median over passes and their range; with CUTLASS rows a last row
+    of its best configuration per cluster shape."""
     import statistics
 
     import matplotlib
@@ -139,38 +167,42 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r["impl"], r.get("pass", 0)): r["us"]
-          for r in rows}
+    by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r.get("dtype", "bf16"), r["impl"],
+           r.get("pass", 0)): r["us"] for r in rows}
     passes = sorted({r.get("pass", 0) for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
+    dtypes = list(dict.fromkeys(r.get("dtype", "bf16") for r in rows))
     clusters = sorted({r["impl"].rsplit("_", 1)[1] for r in rows
                        if r["impl"].startswith("cutlass_")})
-    fig, axes = plt.subplots(2 if clusters else 1, len(models), figsize=(6 * len(models), 8 if
-                             clusters else 4), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
-        for gemm in GEMMS:
-            for tp in sorted({r["tp"] for r in rows}):
-                ratios = [[by[(model, gemm, tp, t, "cublas", p)]
-                           / by[(model, gemm, tp, t, "tokenweave", p)] for p in passes]
-                          for t in lengths]
-                mid = [statistics.median(r) for r in ratios]
-                spread = [[m - min(r) for m, r in zip(mid, ratios, strict=True)],
-                          [max(r) - m for m, r in zip(mid, ratios, strict=True)]]
-                ax.errorbar(lengths, mid, yerr=spread, marker="o", capsize=3,
-                            label=f"{gemm} TP={tp}")
-        ax.set_ylabel("cuBLAS time / communicating GEMM time"
-                      + (f"\n(median; bars: range of {len(passes)} passes)" if len(passes) > 1
-                         else ""))
-        ax.set_title(f"{model}: row-parallel shard GEMMs, {result['gpu']}")
-    for ax, model in zip(axes[1], models, strict=True) if clusters else ():
+    grid = len(dtypes) + bool(clusters)
+    fig, axes = plt.subplots(grid, len(models), figsize=(5.5 * len(models), 4 * grid),
+                             squeeze=False)
+    for ax_row, dtype in zip(axes, dtypes, strict=False):
+        for ax, model in zip(ax_row, models, strict=True):
+            lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
+            for gemm in GEMMS:
+                for tp in sorted({r["tp"] for r in rows}):
+                    ratios = [[by[(model, gemm, tp, t, dtype, "cublas", p)]
+                               / by[(model, gemm, tp, t, dtype, "tokenweave", p)]
+                               for p in passes] for t in lengths]
+                    mid = [statistics.median(r) for r in ratios]
+                    spread = [[m - min(r) for m, r in zip(mid, ratios, strict=True)],
+                              [max(r) - m for m, r in zip(mid, ratios, strict=True)]]
+                    ax.errorbar(lengths, mid, yerr=spread, marker=".", capsize=2, lw=0.9,
+                                label=f"{gemm} TP={tp}")
+            ax.set_ylabel("cuBLAS time / communicating GEMM time"
+                          + (f"\n(median; bars: range of {len(passes)} passes)"
+                             if len(passes) > 1 else ""))
+            ax.set_title(f"{model} {dtype}: row-parallel shards, {result['gpu']}", fontsize=9)
+    for ax, model in zip(axes[-1], models, strict=True) if clusters else ():
         lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
         shards = sorted({(r["gemm"], r["tp"]) for r in rows if r["model"] == model})
 
         def median_ratio(impls, t, model=model, shards=shards):
             """cuBLAS time / the fastest of `impls`, median over shards and passes."""
             return statistics.median(
-                by[(model, g, tp, t, "cublas", p)] / min(by[(model, g, tp, t, i, p)] for i in impls)
+                by[(model, g, tp, t, dtypes[0], "cublas", p)]
+                / min(by[(model, g, tp, t, dtypes[0], i, p)] for i in impls)
                 for g, tp in shards for p in passes)
 
         for cluster in clusters:
@@ -186,21 +218,25 @@ def _plot(result: dict, path: str) -> None:
         ax.axhline(0.98, color="red", lw=0.6, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def _summary(us: dict) -> str:
-    """One line of ratios to cuBLAS per GEMM: ours as picked, TE's, each release forced, and
-    CUTLASS's best configuration where timed."""
+    """One line of ratios to cuBLAS per GEMM: ours as picked, TE's, each release (and, with
+    --breakdown, each tile shape and cuBLAS over the covered rows) forced, and CUTLASS's best
+    configuration where timed."""
+    def ratio(g, impl):
+        return us[(g, "cublas")] / us[(g, impl)]
+
     return ", ".join(
-        f"{g} cublas/tokenweave {us[(g, 'cublas')] / us[(g, 'tokenweave')]:.3f}"
+        f"{g} cublas/tokenweave {ratio(g, 'tokenweave'):.3f}"
         + (f" te/tokenweave {us[(g, 'te')] / us[(g, 'tokenweave')]:.3f}" if (g, "te") in us
            else "")
-        + " (release " + " ".join(
-            f"{r} {us[(g, 'cublas')] / us[(g, f'tokenweave_release_{r}')]:.3f}"
-            for r in RELEASES) + ")" + _best_cutlass(us, g)
+        + " (" + " ".join(f"{i.removeprefix('tokenweave_')} {ratio(g, i):.3f}"
+                          for (h, i) in us if h == g and i.startswith(("tokenweave_", "cublas_")))
+        + ")" + _best_cutlass(us, g)
         for g in GEMMS)
 
 
@@ -215,16 +251,20 @@ def _best_cutlass(us: dict, gemm: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     parser = command_parser("gemm_fused", __doc__)
-    parser.add_argument("--models", nargs="+", default=["llama-3.3-70b", "llama-3-8b"],
-                        choices=sorted(SHAPES), metavar="MODEL", help="dense model shapes")
+    parser.add_argument("--models", nargs="+", default=DENSE, choices=DENSE, metavar="MODEL",
+                        help=f"dense model shapes, of {', '.join(DENSE)}")
     parser.add_argument("--tp", nargs="+", type=int, default=[2, 4, 8],
                         help="tensor-parallel sizes whose shards are timed")
     parser.add_argument("--cutlass", action="store_true",
                         help="also time CUTLASS's sm90 kernels (bench/cutlass_gemm.py; needs the "
                              "nvidia-cutlass package, builds on first use)")
+    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES),
+                        help="GEMM dtypes")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each tile shape forced and cuBLAS over the covered rows")
     parser.add_argument("--passes", type=int, default=1,
                         help="times the same graphs are timed (rows carry `pass`; the spread)")
-    add_sweep_arguments(parser, tokens=[512, 1024, 2048, 4096, 8192], iters=30, timed="impl",
+    add_sweep_arguments(parser, tokens=SWEEP, iters=30, timed="impl",
                         out="docs/results/gemm_fused_1gpu.json")
     return parser
 
@@ -242,16 +282,15 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--cutlass: {exc}") from exc
     rows = []
     for model in args.models:
-        if SHAPES[model].experts:
-            raise SystemExit(f"{model} is a mixture of experts: dense shapes only")
-        for tp in args.tp:
-            for tokens in args.tokens:
-                got = measure(model, tp, tokens, args.iters, args.cutlass, args.passes)
-                rows += got
-                for p in range(args.passes):
-                    us = {(r["gemm"], r["impl"]): r["us"] for r in got if r["pass"] == p}
-                    label = f" pass {p}" if args.passes > 1 else ""
-                    print(f"{model} TP={tp} {tokens:5d} tokens{label}: {_summary(us)}", flush=True)
+        for tp, dtype, tokens in itertools.product(args.tp, args.dtypes, args.tokens):
+            got = measure(model, tp, tokens, args.iters, dtype, args.cutlass, args.passes,
+                          args.breakdown)
+            rows += got
+            for p in range(args.passes):
+                us = {(r["gemm"], r["impl"]): r["us"] for r in got if r["pass"] == p}
+                label = f" pass {p}" if args.passes > 1 else ""
+                print(f"{model} TP={tp} {dtype} {tokens:5d} tokens{label} ({got[0]['tiles']}): "
+                      f"{_summary(us)}", flush=True)
     write_result("gemm_fused", argv, rows, args.out, _plot)
 
 

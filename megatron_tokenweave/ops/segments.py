@@ -95,15 +95,21 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
               ctas: int) -> GemmTiles:
     """The tiles of a call over k in-features: the ping-pong kernel's where it was measured
-    faster (enough tiles per CTA, fewer for short K; in WIDE's place for long K), else the
-    one-consumer tiles with the least `estimated_time`: large where they fill the CTAs;
-    smaller ones where large ones would leave many idle (docs/kernel.md, "Tiles")."""
+    faster (enough tiles per CTA, fewer for short K; in WIDE's place for long K) and its waves
+    take no longer than the best one-consumer tiles' (`estimated_time`), else those: large
+    where they fill the CTAs, smaller ones where large ones would leave many idle
+    (docs/kernel.md, "Tiles"). Why the wave check: at 777 tokens of hidden-5120 shards the
+    ping-pong tiles took three waves where WIDE's took two, 0.67-0.88x of cuBLAS against
+    0.93-1.07x (one H200, docs/kernel.md "Token counts that are not powers of two")."""
+    one = min((LARGE, WIDE, SMALL),
+              key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
+    if (estimated_time(PINGPONG, layout, world, rows, hidden, ctas)
+            > estimated_time(one, layout, world, rows, hidden, ctas)):
+        return one
     per_cta = (row_blocks(layout, world, rows, PINGPONG.block_rows)
                * PINGPONG.col_tiles(hidden) / max(1, ctas))
     if per_cta >= (PINGPONG_MIN_TILES_SHORT_K if k <= PINGPONG_MAX_K else PINGPONG_MIN_TILES):
         return PINGPONG
-    one = min((LARGE, WIDE, SMALL),
-              key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
     # WIDE's 64 x 256 tiles against as many 128 x 128 ping-pong ones, which load a fifth fewer
     # operand bytes each: on long K the ping-pong kernel measured faster (docs/kernel.md).
     return PINGPONG if one is WIDE and k > PINGPONG_MAX_K else one

@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _rounding import ulp, within  # tests/ is on sys.path (conftest.py)
 
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
@@ -98,14 +99,14 @@ class Case:
                 p += self.bias.float()
             p = p.to(dtype).float()
             y += p
-            self.slack += _ulp(p, dtype)
+            self.slack += ulp(p, dtype)
         self.y = y
-        self.slack += _ulp(y, dtype)
+        self.slack += ulp(y, dtype)
         self.normed_want = None
         if norm_on:
             rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + EPS)
             self.normed_want = y * rstd * self.norm.float()
-            self.normed_slack = self.slack * rstd * self.norm.float().abs() + _ulp(
+            self.normed_slack = self.slack * rstd * self.norm.float().abs() + ulp(
                 self.normed_want, dtype)
         self.halves = even_halves(n, split)
         self.residual = self.residual_all.view(self.chunks, n, hidden)[rank if self.sp else 0]
@@ -142,34 +143,11 @@ class Case:
         mine = slice(rank * n, (rank + 1) * n) if self.sp else slice(0, n)
         got = self.residual_out.float()
         assert not got.isnan().any(), f"{what}: residual_out rows left unwritten"
-        _within(got, self.y[mine], self.slack[mine], f"{what}: residual_out")
+        within(got, self.y[mine], self.slack[mine], f"{what}: residual_out")
         if self.normed_want is not None:
             normed = self.normed.reshape(-1, hidden).float()
             assert not normed.isnan().any(), f"{what}: normed rows left unwritten"
-            _within(normed, self.normed_want, self.normed_slack, f"{what}: normed")
-
-
-def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of |x| in `dtype` (bf16: 8 significant bits, fp16: 11)."""
-    bits = 8 if dtype == torch.bfloat16 else 11
-    _, exponent = torch.frexp(x.abs())
-    return torch.ldexp(torch.ones_like(x), exponent - bits)
-
-
-def _within(got: torch.Tensor, want: torch.Tensor, slack: torch.Tensor, what: str) -> None:
-    """|got - want| within what rounding allows: one unit in the last place of every rank's
-    partial sum (the kernel's and torch's fp32 accumulation orders may round a partial sum to
-    neighbouring values) and of the result, plus 1e-4; the message locates the worst miss."""
-    err = (got - want).abs()
-    excess = err - slack - 1e-4
-    bad = int((excess > 0).sum())
-    if bad:
-        flat = int(excess.argmax())
-        row, col = divmod(flat, got.shape[-1])
-        raise AssertionError(
-            f"{what}: {bad} of {got.numel()} values beyond rounding; worst at row {row} col "
-            f"{col}: got {got.view(-1)[flat].item():.6f}, want {want.view(-1)[flat].item():.6f}, "
-            f"slack {slack.view(-1)[flat].item():.2e}; max |err| {err.max().item():.3e}")
+            within(normed, self.normed_want, self.normed_slack, f"{what}: normed")
 
 
 def _cases(comm, seed0: int):
