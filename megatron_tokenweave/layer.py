@@ -32,6 +32,7 @@ from megatron_tokenweave.log import log_once
 from megatron_tokenweave.norm import norm_weight_eps, norm_weight_eps_in
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
+from megatron_tokenweave.precision import gemm_precision, unwoven_reason
 from megatron_tokenweave.schedule import Handoff, WeaveChain, plan_halves
 from megatron_tokenweave.stages import MixerStage, layer_stages
 from megatron_tokenweave.woven import WovenForward
@@ -136,8 +137,9 @@ class WovenLayer:
             return "fp32_residual_connection is set"
         if cfg.context_parallel_size > 1:
             return "context parallelism is not supported"
-        if getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None):
-            return "fp8/fp4 GEMMs are not supported"
+        precision = unwoven_reason(cfg)
+        if precision is not None:
+            return precision
         if not isinstance(getattr(self, "cross_attention", IdentityOp()), IdentityOp):
             return "cross-attention layers are not supported"
         for stage in stages:
@@ -226,7 +228,8 @@ class WovenLayer:
         if first:  # once per forward of a block: a failure recorded by an earlier one
             comm.raise_if_failed()
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = TableKey.of(x.device, world, hidden, x.dtype, sp, is_moe, capturing)
+        key = TableKey.of(x.device, world, hidden, x.dtype, sp, is_moe, capturing,
+                          gemm_precision(cfg))
         plan = get_policy(cfg, key).plan(rows)
         if is_moe and plan.comm == "gemm":  # the expert layer computes its own partial sums
             log_once("moe-gemm", "TokenWeave: MoE layers use the fused op, not the GEMM-fused "

@@ -1,11 +1,12 @@
 """Split policy: per forward, whether to split the tokens and how many CTAs the kernel gets.
 
 Chosen from TokenWeaveConfig and a tuning table measured for (GPU, TP size, hidden size, dtype,
-layout, MoE or dense, CUDA graphs or eager) by `python -m megatron_tokenweave.tune`. Tables are
+layout, MoE or dense, CUDA graphs or eager, the GEMMs' precision: "precision" may be left out
+of a file for "native", GEMMs in the dtype) by `python -m megatron_tokenweave.tune`. Tables are
 JSON:
 
     {"gpu": "NVIDIA H200", "tp": 2, "hidden": 8192, "dtype": "bfloat16",
-     "sequence_parallel": false, "moe": false, "cuda_graphs": true,
+     "sequence_parallel": false, "moe": false, "cuda_graphs": true, "precision": "native",
      "entries": [{"min_tokens": 0, "split": false, "comm_ctas_alone": 64},
                  {"min_tokens": 8192, "split": true, "comm": "collectives"}, ...]}
 
@@ -32,6 +33,7 @@ import torch
 from megatron_tokenweave.config import TABLE_FIELDS, TokenWeaveConfig
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.validate import Comm
+from megatron_tokenweave.precision import NATIVE
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 CACHE_DIR = Path(os.environ.get("TOKENWEAVE_CACHE", Path.home() / ".cache" / "megatron_tokenweave"))
@@ -80,6 +82,9 @@ class TableKey:
     # Captured in a CUDA graph or run eagerly: a split doubles the launches, which eager
     # execution pays on the host (measured: the split wins graphed at 4K-8K tokens, loses eager).
     cuda_graphs: bool = True
+    # The GEMMs' precision (precision.gemm_precision): FP8 GEMMs take about half the time of
+    # bf16 ones, which moves every split decision, so an FP8 model never reads a bf16 table.
+    precision: str = NATIVE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu", gpu_name_key(self.gpu))
@@ -88,17 +93,20 @@ class TableKey:
     def of(
         cls, device: torch.device, tp: int, hidden: int, dtype: torch.dtype,
         sequence_parallel: bool, moe: bool = False, cuda_graphs: bool = True,
+        precision: str = NATIVE,
     ) -> TableKey:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         dtype_name = str(dtype).removeprefix("torch.")
         return cls(gpu, tp, hidden, dtype_name, bool(sequence_parallel), bool(moe),
-                   bool(cuda_graphs))
+                   bool(cuda_graphs), precision)
 
     def file_name(self) -> str:
         layout = "sp" if self.sequence_parallel else "replicated"
         kind = "_moe" if self.moe else ""
         mode = "" if self.cuda_graphs else "_eager"
-        return f"{self.gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}_{layout}{kind}{mode}.json"
+        gemms = "" if self.precision == NATIVE else f"_{self.precision}"
+        return (f"{self.gpu}_tp{self.tp}_h{self.hidden}_{self.dtype}{gemms}_{layout}{kind}{mode}"
+                ".json")
 
 
 def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
@@ -112,7 +120,7 @@ def load_table(path: str | Path) -> tuple[TableKey, list[dict]]:
         key = TableKey(
             str(data["gpu"]), int(data["tp"]), int(data["hidden"]), str(data["dtype"]),
             bool(data["sequence_parallel"]), bool(data.get("moe", False)),
-            bool(data.get("cuda_graphs", True)),
+            bool(data.get("cuda_graphs", True)), str(data.get("precision", NATIVE)),
         )
         entries = sorted(data["entries"], key=lambda e: int(e["min_tokens"]))
     except (KeyError, TypeError, ValueError) as exc:

@@ -99,8 +99,8 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     take no longer than the best one-consumer tiles' (`estimated_time`), else those: large
     where they fill the CTAs, smaller ones where large ones would leave many idle
     (docs/kernel.md, "Tiles"). Why the wave check: at 777 tokens of hidden-5120 shards the
-    ping-pong tiles took three waves where WIDE's took two, 0.67-0.88x of cuBLAS against
-    0.93-1.07x (one H200, docs/kernel.md "Token counts that are not powers of two")."""
+    ping-pong tiles took three waves where WIDE's took two, 0.65-0.90x of cuBLAS against
+    0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two")."""
     one = min((LARGE, WIDE, SMALL),
               key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
     if (estimated_time(PINGPONG, layout, world, rows, hidden, ctas)

@@ -1,0 +1,98 @@
+"""The GEMMs' precision: read from Megatron's config, keying the split tables, and every FP8 /
+FP4 recipe Megatron offers refused by name (the stock path runs it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _dist import build_model
+from megatron.core.enums import Fp4Recipe, Fp8Recipe
+
+from megatron_tokenweave import policy
+from megatron_tokenweave.config import TokenWeaveConfig
+from megatron_tokenweave.models import SHAPES
+from megatron_tokenweave.policy import SplitPolicy, TableKey
+from megatron_tokenweave.precision import NATIVE, gemm_precision, unwoven_reason
+
+SHAPE = SHAPES["tiny"]
+
+
+class _Config:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def test_native_config_weaves():
+    assert gemm_precision(_Config()) == NATIVE
+    assert unwoven_reason(_Config(fp8=None, fp4=None)) is None
+
+
+@pytest.mark.parametrize("recipe", list(Fp8Recipe))
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_every_fp8_recipe_is_named_and_refused(recipe, fmt):
+    """Enum member or its string (Megatron takes both): the same precision, and a reason that
+    names the recipe and the format."""
+    for given in (recipe, recipe.value):
+        cfg = _Config(fp8=fmt, fp8_recipe=given)
+        assert gemm_precision(cfg) == f"fp8-{fmt}-{recipe.value}"
+        reason = unwoven_reason(cfg)
+        assert f"FP8 recipe {recipe.value!r} ({fmt}) is not woven" in reason
+
+
+@pytest.mark.parametrize("recipe", list(Fp4Recipe))
+def test_every_fp4_recipe_is_named_and_refused(recipe):
+    cfg = _Config(fp4="e2m1", fp4_recipe=recipe)
+    assert gemm_precision(cfg) == f"fp4-e2m1-{recipe.value}"
+    assert f"FP4 recipe {recipe.value!r} (e2m1) is not woven" in unwoven_reason(cfg)
+
+
+def test_fp8_without_a_recipe_is_megatrons_default():
+    assert gemm_precision(_Config(fp8="e4m3")) == "fp8-e4m3-delayed"
+
+
+def test_precision_is_part_of_the_table_key_and_file_name():
+    native = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False)
+    fp8 = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False, precision="fp8-e4m3-blockwise")
+    assert native.precision == NATIVE and native != fp8
+    assert native.file_name() == "h200_tp2_h8192_bfloat16_replicated.json"
+    assert fp8.file_name() == "h200_tp2_h8192_bfloat16_fp8-e4m3-blockwise_replicated.json"
+
+
+def _table(key: TableKey, split_from: int) -> dict:
+    fields = {"gpu": key.gpu, "tp": key.tp, "hidden": key.hidden, "dtype": key.dtype,
+              "sequence_parallel": key.sequence_parallel, "moe": key.moe,
+              "cuda_graphs": key.cuda_graphs}
+    if key.precision != NATIVE:
+        fields["precision"] = key.precision
+    return {**fields, "entries": [{"min_tokens": 0, "split": False},
+                                  {"min_tokens": split_from, "split": True}]}
+
+
+def test_an_fp8_model_never_reads_a_native_table(tmp_path, monkeypatch):
+    """A bf16 table (no "precision" field, as the shipped ones) serves bf16 GEMMs only; the FP8
+    key finds its own table, and without one the config's defaults."""
+    monkeypatch.setattr(policy, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(policy, "SHIPPED_TABLES", tmp_path / "none")
+    (tmp_path / "tuning").mkdir()
+    native = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False)
+    fp8 = TableKey("NVIDIA H200", 2, 8192, "bfloat16", False, precision="fp8-e4m3-tensorwise")
+    (tmp_path / "tuning" / native.file_name()).write_text(json.dumps(_table(native, 100)))
+    cfg = TokenWeaveConfig()
+    assert SplitPolicy(cfg, native).plan(100).split
+    assert SplitPolicy(cfg, fp8).entries == []
+    (tmp_path / "tuning" / fp8.file_name()).write_text(json.dumps(_table(fp8, 5000)))
+    fp8_policy = SplitPolicy(cfg, fp8)
+    assert not fp8_policy.plan(100).split and fp8_policy.plan(5000).split
+    assert SplitPolicy(cfg, native).plan(100).split
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_woven_layer_with_an_fp8_config_gives_the_recipes_reason(single_rank_group, recipe):
+    """The woven layer's structure check returns the recipe's refusal (the stock path then
+    runs, logged once per reason), not a generic one."""
+    model = build_model("tokenweave", SHAPE, 2, 1, fp8="e4m3", fp8_recipe=recipe)
+    layer = model.decoder.layers[0]
+    reason = layer._check_structure()
+    assert reason == unwoven_reason(layer.config)
+    assert f"FP8 recipe {recipe!r} (e4m3)" in reason
