@@ -13,8 +13,9 @@
 #          eager, on TE (4-layer blocks: one call per model); copied to
 #          $OUT/tables (commit them as megatron_tokenweave/tables/)
 #   tune8b the same for the 8B shapes (hidden 4096)
-#   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; Mixtral's table, then
-#          its block (eager)
+#   bench  block benchmark vs the TE spec: dense shapes as CUDA graphs; the same layers as
+#          HybridModel stacks beside the GPT ones (70B, 8B; --model-classes gpt hybrid);
+#          Mixtral's table, then its block (eager)
 #   tests  TE-spec parity, static-engine serving (graph replay: moe_tests)
 #   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
 #          (throughput through the dynamic engine if those passed, else the static engine)
@@ -117,6 +118,9 @@ case "$phase" in
     TAIL=40 step block 300 python -m megatron_tokenweave.bench block --modes graph --iters 15 \
       --models llama-3.3-70b qwen2.5-72b llama-3-8b --variants tokenweave tokenweave_sp \
       --out "$out/block_tp2.json"
+    TAIL=24 step block_hybrid 250 python -m megatron_tokenweave.bench block --modes graph \
+      --iters 15 --batch 1 --models llama-3.3-70b llama-3-8b --variants tokenweave \
+      --model-classes gpt hybrid --out "$out/block_hybrid_tp2.json"
     TAIL=14 step tune_moe 130 python -m megatron_tokenweave.tune --model mixtral-8x7b \
       --iters 5 --budget-s 100
     mkdir -p "$out/tables" && cp /tmp/twcache/tuning/*_moe*.json "$out/tables/"

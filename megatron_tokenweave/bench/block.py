@@ -20,6 +20,11 @@ token count of one forward (batch sequences of tokens/batch each). Implementatio
   tokenweave_split / tokenweave_ce_split  replicated, always split (no table): the SM-driven
                   op beside the GEMMs (32 CTAs), or the copy-engine path with only the transfers
                   beside the GEMMs and the reductions on the main stream (128 CTAs)
+With `--model-classes gpt hybrid`, also the same layers as Megatron's HybridModel stack
+(pattern `*-` per GPT layer, `*E` for MoE shapes; the GPT block's weights):
+  <stock>_hybrid     Megatron's hybrid stack spec (TE's `hybrid_stack_spec`, else its local form)
+  tokenweave_hybrid  the TokenWeave hybrid stack spec, default config (replicated)
+Every row says its `model_class` ("gpt" or "hybrid").
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
 `eager` times plain Python forwards (launch overhead included). MoE shapes dispatch as
 `--moe-dispatch` says (models.MOE_DISPATCH): `allgather` (dropless; it copies token counts to the
@@ -61,6 +66,40 @@ VARIANTS = {
                                     "comm_ctas_attn": 128, "comm_ctas_mlp": 128,
                                     "tuning_table": "none"}),
 }
+
+
+def hybrid_blocks(shape, layers: int, world: int, use_te: bool, tw_cfg, common: dict,
+                  gpt_state: dict, attn) -> dict[str, torch.nn.Module]:
+    """`<stock>_hybrid` and `tokenweave_hybrid`: the `layers` GPT layers of a block as a hybrid
+    stack of 2 * layers single-mixer layers, with the GPT block's weights (strict loads)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_tokenweave.hybrid import (
+        get_hybrid_stack_tokenweave_spec,
+        gpt_to_hybrid_state_dict,
+    )
+    from megatron_tokenweave.models import stock_hybrid_stack_spec
+
+    pattern = ("*E" if shape.experts else "*-") * layers
+    cfg = llama_config(shape, len(pattern), world, is_hybrid_model=True, **common)
+    state = {k.removeprefix("decoder."): v for k, v in gpt_to_hybrid_state_dict(
+        {f"decoder.{k}": v for k, v in gpt_state.items()}).items()}
+    specs = {f"{'te' if use_te else 'local'}_hybrid": stock_hybrid_stack_spec(use_te),
+             "tokenweave_hybrid": get_hybrid_stack_tokenweave_spec(use_te, tw_cfg)}
+    blocks = {}
+    for name, spec in specs.items():
+        block = build_module(attn(spec), cfg, pre_process=True, post_process=True,
+                             layer_type_list=list(pattern), dtype=cfg.params_dtype,
+                             pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        block.load_state_dict(state, strict=True)
+        blocks[name] = block
+    return blocks
+
+
+def model_class(impl: str) -> str:
+    """The model class a block implementation's layers are Megatron's layers of."""
+    return "hybrid" if impl.endswith("_hybrid") else "gpt"
 
 
 def graphed(fn):
@@ -112,9 +151,13 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             blocks[name] = TransformerBlock(block_cfg, attn(spec))
         state = blocks[stock_name].state_dict()
         for name, block in blocks.items():
-            block.cuda().to(torch.bfloat16).eval()
             if name != stock_name:
                 block.load_state_dict(state, strict=True)
+        if "hybrid" in args.model_classes:
+            blocks.update(hybrid_blocks(shape, args.layers, world, use_te,
+                                        base_cfg, common, state, attn))
+        for block in blocks.values():
+            block.cuda().to(torch.bfloat16).eval()
         rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
         for tokens in args.tokens:
             for batch in args.batch:
@@ -143,6 +186,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                        if args.stock_sp else {}),
                     **{name: (blocks[name], inputs_sp if sp else inputs, False)
                        for name, (sp, _) in variants.items()},
+                    **{name: (block, inputs, False) for name, block in blocks.items()
+                       if model_class(name) == "hybrid"},
                 }
                 med = {}
                 with torch.no_grad():
@@ -155,9 +200,9 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                         res = interleaved_medians(cands, iters=args.iters, warmup=args.warmup)
                         med.update({(k, "graph"): v for k, v in res.items()})
                         del cands
-                new = [dict(model=model, impl=impl, mode=mode, tokens=tokens, batch=batch,
-                            tp=world, us=round(us, 1), **({"moe_dispatch": dispatch} if dispatch
-                                                          else {}))
+                moe_row = {"moe_dispatch": dispatch} if dispatch else {}
+                new = [dict(model=model, impl=impl, model_class=model_class(impl), mode=mode,
+                            tokens=tokens, batch=batch, tp=world, us=round(us, 1), **moe_row)
                        for (impl, mode), us in med.items()]
                 rows += new
                 if rank == 0:  # kept as measured, should a later case fail
@@ -223,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="TokenWeave variants to time beside the stock spec and its ceiling")
     parser.add_argument("--local", action="store_true", help="stock = local spec even with TE")
+    parser.add_argument("--model-classes", nargs="+", default=["gpt"], choices=["gpt", "hybrid"],
+                        help="also time the layers as Megatron's HybridModel stack (hybrid: "
+                             "<stock>_hybrid and tokenweave_hybrid, the GPT block's weights)")
     parser.add_argument("--stock-sp", action="store_true",
                         help="also time the stock spec with sequence parallelism (<stock>_sp)")
     parser.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="allgather",

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -36,9 +37,13 @@ class SDPACoreAttention(torch.nn.Module):
 
 
 def with_sdpa(spec: ModuleSpec | TransformerBlockSubmodules):
-    """The same layer or block spec with SDPACoreAttention as every layer's core attention."""
+    """The same layer, block or hybrid stack spec with SDPACoreAttention as every attention
+    layer's core attention."""
     if isinstance(spec, TransformerBlockSubmodules):
         return dataclasses.replace(spec, layer_specs=[with_sdpa(s) for s in spec.layer_specs])
+    if isinstance(spec.submodules, HybridStackSubmodules):
+        return dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, attention_layer=with_sdpa(spec.submodules.attention_layer)))
     attention = spec.submodules.self_attention
     attention = dataclasses.replace(
         attention,
