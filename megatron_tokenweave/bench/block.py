@@ -24,7 +24,7 @@ With `--model-classes gpt hybrid`, also the same layers as Megatron's HybridMode
 (pattern `*-` per GPT layer, `*E` for MoE shapes; the GPT block's weights):
   <stock>_hybrid     Megatron's hybrid stack spec (TE's `hybrid_stack_spec`, else its local form)
   tokenweave_hybrid  the TokenWeave hybrid stack spec, default config (replicated)
-Every row says its `model_class` ("gpt" or "hybrid").
+Every row says its `model_class` ("gpt" or "hybrid") and its GEMMs' `precision` ("bf16").
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
 `eager` times plain Python forwards (launch overhead included). MoE shapes dispatch as
 `--moe-dispatch` says (models.MOE_DISPATCH): `allgather` (dropless; it copies token counts to the
@@ -49,6 +49,7 @@ from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
+from megatron_tokenweave.precision import NATIVE, gemm_precision
 
 # name: (sequence parallel, TokenWeaveConfig overrides)
 VARIANTS = {
@@ -138,6 +139,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         stock_spec = stock_layer_spec(shape, use_te)
         common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=args.moe_dispatch)
         cfg = llama_config(shape, args.layers, world, **common)
+        precision = gemm_precision(cfg)  # the GEMMs' precision: "native" is bf16 here
+        precision = "bf16" if precision == NATIVE else precision
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
         attn = (lambda spec: spec) if use_te else with_sdpa
         blocks = {stock_name: TransformerBlock(cfg, attn(stock_spec))}
@@ -201,7 +204,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                         med.update({(k, "graph"): v for k, v in res.items()})
                         del cands
                 moe_row = {"moe_dispatch": dispatch} if dispatch else {}
-                new = [dict(model=model, impl=impl, model_class=model_class(impl), mode=mode,
+                new = [dict(model=model, impl=impl, model_class=model_class(impl),
+                            precision=precision, mode=mode,
                             tokens=tokens, batch=batch, tp=world, us=round(us, 1), **moe_row)
                        for (impl, mode), us in med.items()]
                 rows += new
