@@ -28,6 +28,7 @@ from tqdm import tqdm
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, Shape, llama_config
 from megatron_tokenweave.policy import CACHE_DIR, TableKey
+from megatron_tokenweave.precision import gemm_precision
 
 NEVER = 1 << 40
 ALONE_CTAS = (32, 64, 128)
@@ -169,7 +170,7 @@ def _tune(rank: int, world: int, args: argparse.Namespace, shape: Shape) -> list
                                 args.budget_s / (len(args.layouts) * len(modes))):
                     break
             key = TableKey.of(torch.device("cuda"), world, shape.hidden, dtype, sp,
-                              bool(shape.experts), mode == "graph")
+                              bool(shape.experts), mode == "graph", gemm_precision(cfg))
             tables.append({**dataclasses.asdict(key),
                            "entries": table_entries(measured, args.min_gain),
                            "measured_us": measured, "layers": args.layers,
