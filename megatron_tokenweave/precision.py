@@ -2,11 +2,11 @@
 own dtype, or one of TransformerEngine's FP8 / FP4 recipes.
 
 It keys the split tables: FP8 GEMMs run up to about twice as fast as bf16 ones on Hopper (not
-measured here), so
-communication is a larger share of the layer and a table measured with bf16 GEMMs says nothing
-about the best plan in FP8. It also says, per recipe, why the woven layer does not run it, so
-that the refusal names the recipe instead of a blanket "fp8"; every refused recipe takes the
-stock TE path, whose FP8 GEMMs, quantizers and checkpoints stay exactly Megatron's.
+measured here), so communication is a larger share of the layer and a table measured with bf16
+GEMMs says nothing about the best plan in FP8. It also says, per recipe, why the woven layer
+does not run it, so that the refusal names the recipe instead of a blanket "fp8"; every
+refused recipe takes the stock TE path, whose FP8 GEMMs, quantizers and checkpoints stay
+exactly Megatron's.
 """
 
 from __future__ import annotations
