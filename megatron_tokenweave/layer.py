@@ -118,6 +118,12 @@ class WovenLayer:
             return 1, 0
         return dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
 
+    @functools.cached_property
+    def _gemm_precision(self) -> str:
+        """The GEMMs' precision (a split table's key), fixed once the model is built: read once,
+        not per forward."""
+        return gemm_precision(self.config)
+
     # ----------------------------------------------------------------- policy
     def _check_structure(self) -> str | None:
         """Why the layer's configuration or module types rule the fused path out (None when
@@ -229,7 +235,7 @@ class WovenLayer:
             comm.raise_if_failed()
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         key = TableKey.of(x.device, world, hidden, x.dtype, sp, is_moe, capturing,
-                          gemm_precision(cfg))
+                          self._gemm_precision)
         plan = get_policy(cfg, key).plan(rows)
         if is_moe and plan.comm == "gemm":  # the expert layer computes its own partial sums
             log_once("moe-gemm", "TokenWeave: MoE layers use the fused op, not the GEMM-fused "

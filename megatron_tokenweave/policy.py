@@ -82,8 +82,9 @@ class TableKey:
     # Captured in a CUDA graph or run eagerly: a split doubles the launches, which eager
     # execution pays on the host (measured: the split wins graphed at 4K-8K tokens, loses eager).
     cuda_graphs: bool = True
-    # The GEMMs' precision (precision.gemm_precision): FP8 GEMMs take about half the time of
-    # bf16 ones, which moves every split decision, so an FP8 model never reads a bf16 table.
+    # The GEMMs' precision (precision.gemm_precision): FP8 GEMMs can take up to about half the
+    # time of bf16 ones (not measured here), which moves the split decisions, so an FP8 model
+    # never reads a bf16 table.
     precision: str = NATIVE
 
     def __post_init__(self) -> None:

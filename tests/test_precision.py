@@ -96,3 +96,5 @@ def test_woven_layer_with_an_fp8_config_gives_the_recipes_reason(single_rank_gro
     reason = layer._check_structure()
     assert reason == unwoven_reason(layer.config)
     assert f"FP8 recipe {recipe!r} (e4m3)" in reason
+    assert layer._gemm_precision == f"fp8-e4m3-{recipe}"  # the split table's key, from Megatron's
+    # config (not the TokenWeaveConfig)

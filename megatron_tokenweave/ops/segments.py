@@ -101,10 +101,10 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     (docs/kernel.md, "Tiles"). Why the wave check: at 777 tokens of hidden-5120 shards the
     ping-pong tiles took three waves where WIDE's took two, 0.65-0.90x of cuBLAS against
     0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two")."""
-    one = min((LARGE, WIDE, SMALL),
-              key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
-    if (estimated_time(PINGPONG, layout, world, rows, hidden, ctas)
-            > estimated_time(one, layout, world, rows, hidden, ctas)):
+    times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
+             for t in (LARGE, WIDE, SMALL, PINGPONG)}
+    one = min((LARGE, WIDE, SMALL), key=times.__getitem__)
+    if times[PINGPONG] > times[one]:
         return one
     per_cta = (row_blocks(layout, world, rows, PINGPONG.block_rows)
                * PINGPONG.col_tiles(hidden) / max(1, ctas))
