@@ -64,6 +64,10 @@
 #   gemm_diag  where the communicating GEMM falls short of cuBLAS at counts that are not powers
 #          of two: each tile shape forced and cuBLAS over the covered rows (bench gemm_fused
 #          --breakdown), three families' shards at TP 2 and 8
+#   fp8    FP8 through the woven layer with ranks sharing one GPU (`stage.sh te` carried): GPTModel
+#          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
+#          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
+#          split_cost --fp8-recipe), 70B shards at TP 2 and 8
 #   serve_hybrid  the serving tests of GPTModel and HybridModel with ranks sharing one GPU, but
 #          the OpenAI soak and the SIGTERM stop (fa4 and .ci/stage_serve.sh carried)
 set -u
@@ -87,6 +91,13 @@ case "$phase" in
     TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
     TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused --passes 3 \
       --out "$out/gemm_fused_1gpu.json"
+    ;;
+  fp8)
+    TAIL=30 step fp8_layer 560 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k fp8
+    for tp in 2 8; do for r in tensorwise blockwise delayed; do
+      TAIL=6 step "fp8_split_tp${tp}_$r" 200 python -m megatron_tokenweave.bench split_cost \
+        --model llama-3.3-70b --tp "$tp" --fp8-recipe "$r" --out "$out/split_cost_fp8_tp${tp}_$r.json"
+    done; done
     ;;
   gemm_cutlass)
     TAIL=6 step cutlass_test 420 python -m pytest -x -v -s tests/gpu/test_cutlass_gemm.py

@@ -24,7 +24,7 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron_tokenweave import moe
+from megatron_tokenweave import fp8_gemm, moe
 from megatron_tokenweave.communicator import find_communicator, get_communicator
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.linears import WovenLinearMixin
@@ -32,7 +32,7 @@ from megatron_tokenweave.log import log_once
 from megatron_tokenweave.norm import norm_weight_eps, norm_weight_eps_in
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
-from megatron_tokenweave.precision import gemm_precision, unwoven_reason
+from megatron_tokenweave.precision import NATIVE, gemm_precision, unwoven_reason
 from megatron_tokenweave.schedule import Handoff, WeaveChain, plan_halves
 from megatron_tokenweave.stages import MixerStage, layer_stages
 from megatron_tokenweave.woven import WovenForward
@@ -143,9 +143,6 @@ class WovenLayer:
             return "fp32_residual_connection is set"
         if cfg.context_parallel_size > 1:
             return "context parallelism is not supported"
-        precision = unwoven_reason(cfg)
-        if precision is not None:
-            return precision
         if not isinstance(getattr(self, "cross_attention", IdentityOp()), IdentityOp):
             return "cross-attention layers are not supported"
         for stage in stages:
@@ -158,6 +155,13 @@ class WovenLayer:
             if not (isinstance(stage.column, WovenLinearMixin)
                     and isinstance(stage.row, WovenLinearMixin)):
                 return f"the {stage.kind} stage's linears are not TokenWeave linears"
+        linears = [m for s in stages if not s.is_moe for m in (s.column, s.row)]
+        precision = unwoven_reason(cfg, linears)
+        if precision is not None:
+            return precision
+        if cfg.sequence_parallel and any(_padded_for_fp8(m) for m in linears):
+            return ("Megatron's FP8 inference padding wraps the linears and all-gathers their "
+                    "sequence-parallel input itself")
         return None
 
     def _structure_reason(self) -> str | None:
@@ -189,7 +193,16 @@ class WovenLayer:
             return f"the CUDA kernel takes bf16/fp16, not {hidden_states.dtype}"
         if hidden_states.dim() != 3 or not hidden_states.is_contiguous():
             return "hidden_states is not a contiguous [s, b, h] tensor"
+        rows = hidden_states.shape[0] * hidden_states.shape[1]
+        if self._fp8_now() and rows % fp8_gemm.FP8_ROWS:
+            return (f"FP8 GEMMs take multiples of {fp8_gemm.FP8_ROWS} rows per chunk (Megatron's "
+                    "FP8 inference padding makes them)")
         return None
+
+    def _fp8_now(self) -> bool:
+        """Whether this call's linears run FP8 GEMMs (an FP8 config, inside an enabled FP8
+        autocast: Megatron leaves a model's first / last layers in bf16 where asked)."""
+        return self._gemm_precision != NATIVE and fp8_gemm.active()
 
     # ----------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -237,11 +250,16 @@ class WovenLayer:
         key = TableKey.of(x.device, world, hidden, x.dtype, sp, is_moe, capturing,
                           self._gemm_precision)
         plan = get_policy(cfg, key).plan(rows)
-        if is_moe and plan.comm == "gemm":  # the expert layer computes its own partial sums
-            log_once("moe-gemm", "TokenWeave: MoE layers use the fused op, not the GEMM-fused "
-                     "mechanism (the expert layer computes its partial sums itself)")
+        fp8 = self._fp8_now()
+        if plan.comm == "gemm" and (is_moe or fp8):
+            why = ("MoE layers use the fused op, not the GEMM-fused mechanism (the expert layer "
+                   "computes its partial sums itself)" if is_moe else
+                   "FP8 GEMMs use the fused op, not the GEMM-fused mechanism (its communicating "
+                   "GEMM is bf16 / fp16)")
+            log_once(f"gemm-fused:{why}", f"TokenWeave: {why}")
             plan = dataclasses.replace(plan, comm="fused")
-        halves = plan_halves(rows // chunks, cfg, plan.split)
+        halves = plan_halves(rows // chunks, cfg, plan.split,
+                             granule=fp8_gemm.FP8_ROWS if fp8 else 1)
         for stage in stages:  # before anything is launched
             if stage.is_moe:
                 moe.check_capacity(stage.mixer, [chunks * h.rows for h in halves])
@@ -288,6 +306,16 @@ class WovenLayer:
         capture isolation). A graph of a whole block or model keeps the cross-layer deferral
         (its last layer joins)."""
         return hasattr(self, "cudagraph_manager")
+
+
+def _padded_for_fp8(linear: torch.nn.Module) -> bool:
+    """Whether Megatron's FP8 inference padding (fp8_utils.prepare_model_for_fp8_inference)
+    wrapped this linear's forward."""
+    try:
+        from megatron.core.fp8_utils import _fp8_inference_wrapped_modules
+    except ImportError:  # a Megatron without TE has no such wrapper
+        return False
+    return linear in _fp8_inference_wrapped_modules
 
 
 def seal_chain(config: Any) -> None:

@@ -9,6 +9,8 @@ context the linears read (nothing on the modules changes). With a plan:
 - a row-parallel linear writes its un-reduced partial sum of each half straight into the
   communication workspace (or, GEMM-fused, runs the communicating GEMM the plan hands it) and
   calls back, so the layer can launch that half's fused op at once.
+The GEMMs run in the activations' dtype, or, for TE linears inside an enabled FP8 autocast,
+as TE's FP8 GEMMs with the module's quantizers (megatron_tokenweave.fp8_gemm).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_tokenweave import fp8_gemm
 from megatron_tokenweave.schedule import Half
 
 
@@ -37,6 +40,35 @@ def gemm_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         torch.matmul(x[0], weight.t(), out=out[0])
     else:
         torch.bmm(x, weight.t().expand(x.shape[0], -1, -1), out=out)
+
+
+# (x [C, r, in], out [C, r, out], bias or None): out = x @ W^T (+ bias), every chunk
+ChunkGemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
+
+
+@contextlib.contextmanager
+def _gemms(module: torch.nn.Module, x: torch.Tensor) -> Iterator[ChunkGemm]:
+    """The module's GEMM for one woven call on input x: TE's FP8 GEMM per chunk (each chunk's
+    rows of a half are contiguous, as TE's GEMM wants them) where the module is a TE linear
+    inside an enabled FP8 autocast, else one strided-batched GEMM in the activations' dtype."""
+    if fp8_gemm.active() and fp8_gemm.is_te(module):
+        # One row is what TE's forward preparation reads (device, dtype); a whole non-contiguous
+        # input would be copied there.
+        with fp8_gemm.gemms(module, x[0, :1]) as gemm:
+            def per_chunk(x3: torch.Tensor, out3: torch.Tensor,
+                          bias: torch.Tensor | None) -> None:
+                for c in range(x3.shape[0]):
+                    gemm(x3[c], out3[c], bias)
+
+            yield per_chunk
+        return
+
+    def native(x3: torch.Tensor, out3: torch.Tensor, bias: torch.Tensor | None) -> None:
+        gemm_into(x3, module.weight, out3)
+        if bias is not None:
+            out3.add_(bias)
+
+    yield native
 
 
 @dataclass
@@ -83,32 +115,28 @@ class Weave:
         weight, bias = module.weight, _bias(module)
         skip = bool(getattr(module, "skip_bias_add", False))
         x3 = self._input(module, x)
-        use_bias = None if skip else bias
         out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
-        for i, half in enumerate(self.halves):
-            if self.before is not None:
-                self.before(i)
-            dst = half.of(out)
-            gemm_into(half.of(x3), weight, dst)
-            if use_bias is not None:
-                dst.add_(use_bias)
+        with _gemms(module, x3) as gemm:
+            for i, half in enumerate(self.halves):
+                if self.before is not None:
+                    self.before(i)
+                gemm(half.of(x3), half.of(out), None if skip else bias)
         return out.view(*x.shape[:-1], weight.shape[0]), (bias if skip else None)
 
     def row(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         weight, bias = module.weight, _bias(module)
+        bias = bias if self.add_bias else None
         x3 = self._input(module, x)
-        for i, half in enumerate(self.halves):
-            if self.before is not None:
-                self.before(i)
-            if self.gemm is not None:
-                self.gemm(i, x3, half, weight, bias if self.add_bias else None)
-            else:
-                dst = self.partials[i]
-                gemm_into(half.of(x3), weight, dst)
-                if bias is not None and self.add_bias:
-                    dst.add_(bias)
-            if self.after is not None:
-                self.after(i)
+        with contextlib.nullcontext() if self.gemm is not None else _gemms(module, x3) as gemm:
+            for i, half in enumerate(self.halves):
+                if self.before is not None:
+                    self.before(i)
+                if self.gemm is not None:
+                    self.gemm(i, x3, half, weight, bias)
+                else:
+                    gemm(half.of(x3), self.partials[i], bias)
+                if self.after is not None:
+                    self.after(i)
         return self.partials[-1], None
 
 

@@ -3,25 +3,32 @@ own dtype, or one of TransformerEngine's FP8 / FP4 recipes.
 
 It keys the split tables: FP8 GEMMs run up to about twice as fast as bf16 ones on Hopper (not
 measured here), so communication is a larger share of the layer and a table measured with bf16
-GEMMs says nothing about the best plan in FP8. It also says, per recipe, why the woven layer
-does not run it, so that the refusal names the recipe instead of a blanket "fp8"; every
-refused recipe takes the stock TE path, whose FP8 GEMMs, quantizers and checkpoints stay
-exactly Megatron's.
+GEMMs says nothing about the best plan in FP8. It also says, per recipe, whether the woven layer
+runs it: the FP8 recipes TE runs on Hopper (delayed, tensorwise, blockwise) weave in the TE
+flavour, whose linears then run TE's FP8 GEMMs with their own quantizers
+(megatron_tokenweave.fp8_gemm); every other recipe is refused by name and takes the stock TE
+path, whose FP8 GEMMs, quantizers and checkpoints stay exactly Megatron's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+import torch
+
+from megatron_tokenweave import fp8_gemm
 
 NATIVE = "native"  # the GEMMs run in the activations' dtype (bf16, fp16, fp32)
 
-# Why no FP8 / FP4 recipe weaves today, and what some recipes add to that (Megatron's Fp8Recipe /
-# Fp4Recipe values, megatron.core.enums; a recipe Megatron adds later gets the common reason).
-_NOT_WOVEN = ("the woven linears run their GEMMs in the activations' dtype, and TE's FP8 / FP4 "
-              "GEMMs and quantizer state (scales, amax histories) live in its modules' own forward")
+# The recipes TE runs on Hopper (Megatron's Fp8Recipe values): woven with TE's FP8 GEMMs.
+WOVEN_FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+# Why the others are not (a recipe Megatron adds later gets the common reason).
+_NOT_WOVEN = "the woven linears run TE's FP8 GEMMs for the recipes " + ", ".join(
+    WOVEN_FP8_RECIPES) + " only"
 _RECIPE_NOTES = {
     "mxfp8": "MXFP8 is Blackwell's block-scaled format (sm_100)",
-    "custom": "a custom quantizer factory's format is unknown to the fused op",
+    "custom": "a custom quantizer factory's format is unknown to the woven layer",
     "nvfp4": "NVFP4 is Blackwell's format (sm_100)",
 }
 
@@ -45,12 +52,19 @@ def gemm_precision(config: Any) -> str:
     return NATIVE
 
 
-def unwoven_reason(config: Any) -> str | None:
-    """Why the woven layer does not run this config's GEMM precision (None: it does)."""
+def unwoven_reason(config: Any, linears: Iterable[torch.nn.Module] = ()) -> str | None:
+    """Why the woven layer does not run this config's GEMM precision with these linears (the
+    layer's column- and row-parallel ones; None: it does)."""
     precision = gemm_precision(config)
     if precision == NATIVE:
         return None
     kind, fmt, recipe = precision.split("-", 2)
+    if kind == "fp8" and recipe in WOVEN_FP8_RECIPES:
+        for linear in linears:
+            reason = fp8_gemm.module_reason(linear)
+            if reason is not None:
+                return f"FP8 recipe {recipe!r} ({fmt}) is not woven here: {reason}"
+        return None
     note = _RECIPE_NOTES.get(recipe)
     return (f"{kind.upper()} recipe {recipe!r} ({fmt}) is not woven: {_NOT_WOVEN}"
             + (f"; {note}" if note else ""))

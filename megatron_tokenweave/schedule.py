@@ -26,16 +26,21 @@ class Half:
         return t[:, self.offset : self.offset + self.rows]
 
 
-def plan_halves(rows_per_chunk: int, cfg: TokenWeaveConfig, split: bool) -> tuple[Half, ...]:
+def plan_halves(rows_per_chunk: int, cfg: TokenWeaveConfig, split: bool,
+                granule: int = 1) -> tuple[Half, ...]:
     """One half when the plan does not split (policy.SplitPolicy.plan decides), else two, the
-    first aligned for GEMM waves (cfg's split_align / split_offset). A chunk of fewer than 2
-    rows is never split."""
+    first aligned for GEMM waves (cfg's split_align / split_offset) and a multiple of `granule`
+    rows (FP8 GEMMs': fp8_gemm.FP8_ROWS), which the caller makes rows_per_chunk too. A chunk
+    of fewer than 2 granules is never split."""
     n = rows_per_chunk
-    if n < 2 or not split:
+    if n < 2 * granule or not split:
         return (Half(0, n),)
     first = (n // 2) // cfg.split_align * cfg.split_align + cfg.split_offset
     if not 0 < first < n:
         first = n // 2
+    first = first // granule * granule
+    if first == 0:
+        first = granule
     return (Half(0, first), Half(first, n - first))
 
 

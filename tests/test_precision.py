@@ -1,11 +1,13 @@
-"""The GEMMs' precision: read from Megatron's config, keying the split tables, and every FP8 /
-FP4 recipe Megatron offers refused by name (the stock path runs it)."""
+"""The GEMMs' precision: read from Megatron's config, keying the split tables; the FP8 recipes TE
+runs on Hopper woven where the linears are TE's, every other FP8 / FP4 recipe Megatron offers
+refused by name (the stock path runs it)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from _dist import build_model
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
@@ -13,7 +15,12 @@ from megatron_tokenweave import policy
 from megatron_tokenweave.config import TokenWeaveConfig
 from megatron_tokenweave.models import SHAPES
 from megatron_tokenweave.policy import SplitPolicy, TableKey
-from megatron_tokenweave.precision import NATIVE, gemm_precision, unwoven_reason
+from megatron_tokenweave.precision import (
+    NATIVE,
+    WOVEN_FP8_RECIPES,
+    gemm_precision,
+    unwoven_reason,
+)
 
 SHAPE = SHAPES["tiny"]
 
@@ -28,16 +35,39 @@ def test_native_config_weaves():
     assert unwoven_reason(_Config(fp8=None, fp4=None)) is None
 
 
-@pytest.mark.parametrize("recipe", list(Fp8Recipe))
+WOVEN = [r for r in Fp8Recipe if r.value in WOVEN_FP8_RECIPES]
+REFUSED = [r for r in Fp8Recipe if r.value not in WOVEN_FP8_RECIPES]
+
+
+def test_the_hopper_recipes_are_the_woven_ones():
+    assert {r.value for r in WOVEN} == {"delayed", "tensorwise", "blockwise"}
+    assert {r.value for r in REFUSED} == {"mxfp8", "custom"}
+
+
+@pytest.mark.parametrize("recipe", WOVEN)
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_every_fp8_recipe_is_named_and_refused(recipe, fmt):
-    """Enum member or its string (Megatron takes both): the same precision, and a reason that
-    names the recipe and the format."""
+def test_hopper_recipes_weave_on_te_linears_only(recipe, fmt):
+    """Enum member or its string (Megatron takes either): the same precision; woven with no
+    linear to refuse it, refused by name with the linear's reason on a non-TE linear."""
+    local = torch.nn.Linear(16, 16)
+    for given in (recipe, recipe.value):
+        cfg = _Config(fp8=fmt, fp8_recipe=given)
+        assert gemm_precision(cfg) == f"fp8-{fmt}-{recipe.value}"
+        assert unwoven_reason(cfg) is None
+        reason = unwoven_reason(cfg, [local])
+        assert f"FP8 recipe {recipe.value!r} ({fmt}) is not woven here: Linear is not a " \
+            "TransformerEngine linear" in reason
+
+
+@pytest.mark.parametrize("recipe", REFUSED)
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_every_other_fp8_recipe_is_named_and_refused(recipe, fmt):
     for given in (recipe, recipe.value):
         cfg = _Config(fp8=fmt, fp8_recipe=given)
         assert gemm_precision(cfg) == f"fp8-{fmt}-{recipe.value}"
         reason = unwoven_reason(cfg)
-        assert f"FP8 recipe {recipe.value!r} ({fmt}) is not woven" in reason
+        assert f"FP8 recipe {recipe.value!r} ({fmt}) is not woven: the woven linears run " \
+            "TE's FP8 GEMMs for the recipes delayed, tensorwise, blockwise only" in reason
 
 
 @pytest.mark.parametrize("recipe", list(Fp4Recipe))
@@ -89,12 +119,14 @@ def test_an_fp8_model_never_reads_a_native_table(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
 def test_woven_layer_with_an_fp8_config_gives_the_recipes_reason(single_rank_group, recipe):
-    """The woven layer's structure check returns the recipe's refusal (the stock path then
-    runs, logged once per reason), not a generic one."""
+    """The local flavour (what CPU machines build): the structure check returns the recipe's
+    refusal naming the linear that has no FP8 GEMMs (the stock path then runs, logged once per
+    reason), not a generic one."""
     model = build_model("tokenweave", SHAPE, 2, 1, fp8="e4m3", fp8_recipe=recipe)
     layer = model.decoder.layers[0]
     reason = layer._check_structure()
-    assert reason == unwoven_reason(layer.config)
-    assert f"FP8 recipe {recipe!r} (e4m3)" in reason
+    assert reason.startswith(f"FP8 recipe {recipe!r} (e4m3) is not woven here: "
+                             "WovenColumnParallelLinear is not a TransformerEngine linear (FP8 "
+                             "GEMMs are TE's; ")
     assert layer._gemm_precision == f"fp8-e4m3-{recipe}"  # the split table's key, from Megatron's
     # config (not the TokenWeaveConfig)

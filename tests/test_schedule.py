@@ -212,3 +212,18 @@ def test_pending_issues_its_remaining_work_once_and_an_unclaimed_handoff_is_fini
                             (Pending(None, lambda: calls.append(2)),))
     assert chain.claim(torch.randn(3, 1, 8)) is None  # another tensor: settled, not claimed
     assert calls == [1, 2] and chain.pending is None
+
+
+def test_fp8_halves_are_whole_granules():
+    """FP8 GEMMs' granule (fp8_gemm.FP8_ROWS): on a chunk of whole granules both halves are
+    whole granules, non-empty, in order, covering the chunk; below two granules, one half."""
+    from megatron_tokenweave.fp8_gemm import FP8_ROWS
+
+    for cfg in CONFIGS:
+        for n in range(0, 1100, FP8_ROWS):
+            halves = schedule.plan_halves(n, cfg, True, granule=FP8_ROWS)
+            covered = [r for h in halves for r in range(h.offset, h.offset + h.rows)]
+            assert covered == list(range(n)), (cfg, n, halves)
+            assert all(h.rows % FP8_ROWS == 0 for h in halves), (cfg, n, halves)
+            assert len(halves) == (2 if n >= 2 * FP8_ROWS else 1), (cfg, n, halves)
+            assert all(h.rows > 0 for h in halves) or n == 0

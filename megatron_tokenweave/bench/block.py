@@ -24,7 +24,9 @@ With `--model-classes gpt hybrid`, also the same layers as Megatron's HybridMode
 (pattern `*-` per GPT layer, `*E` for MoE shapes; the GPT block's weights):
   <stock>_hybrid     Megatron's hybrid stack spec (TE's `hybrid_stack_spec`, else its local form)
   tokenweave_hybrid  the TokenWeave hybrid stack spec, default config (replicated)
-Every row says its `model_class` ("gpt" or "hybrid") and its GEMMs' `precision` ("bf16").
+Every row says its `model_class` ("gpt" or "hybrid") and its GEMMs' `precision` ("bf16", or with
+`--fp8-recipe R` "fp8-e4m3-R": every block's GEMMs in TE's FP8 recipe R, e4m3; the TokenWeave
+blocks' woven linears then run TE's FP8 GEMMs half by half).
 Modes: `graph` times CUDA-graph replays of the whole block (GPU time, as served with graphs);
 `eager` times plain Python forwards (launch overhead included). MoE shapes dispatch as
 `--moe-dispatch` says (models.MOE_DISPATCH): `allgather` (dropless; it copies token counts to the
@@ -49,7 +51,7 @@ from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
-from megatron_tokenweave.precision import NATIVE, gemm_precision
+from megatron_tokenweave.precision import NATIVE, WOVEN_FP8_RECIPES, gemm_precision
 
 # name: (sequence parallel, TokenWeaveConfig overrides)
 VARIANTS = {
@@ -98,6 +100,11 @@ def hybrid_blocks(shape, layers: int, world: int, use_te: bool, tw_cfg, common: 
     return blocks
 
 
+def fp8_fields(recipe: str) -> dict:
+    """The TransformerConfig fields of `--fp8-recipe` (none: bf16 GEMMs)."""
+    return {} if recipe == "none" else {"fp8": "e4m3", "fp8_recipe": recipe}
+
+
 def model_class(impl: str) -> str:
     """The model class a block implementation's layers are Megatron's layers of."""
     return "hybrid" if impl.endswith("_hybrid") else "gpt"
@@ -137,7 +144,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         dispatch = args.moe_dispatch if shape.experts else None
         modes = ["eager"] if dispatch == "allgather" else args.modes
         stock_spec = stock_layer_spec(shape, use_te)
-        common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=args.moe_dispatch)
+        common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=args.moe_dispatch,
+                      **fp8_fields(args.fp8_recipe))
         cfg = llama_config(shape, args.layers, world, **common)
         precision = gemm_precision(cfg)  # the GEMMs' precision: "native" is bf16 here
         precision = "bf16" if precision == NATIVE else precision
@@ -280,6 +288,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="allgather",
                         help="MoE shapes: allgather (dropless, eager only) or padded (all-to-all "
                              "padded to a capacity that drops nothing: CUDA graphs too)")
+    parser.add_argument("--fp8-recipe", default="none",
+                        choices=["none", *WOVEN_FP8_RECIPES],
+                        help="every block's GEMMs in this TE FP8 recipe (e4m3; TE needed)")
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"],
                         choices=["graph", "eager"],
                         help="graph: CUDA-graph replays (GPU time); eager: Python launches too")
@@ -291,6 +302,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.fp8_recipe != "none":
+        from megatron_tokenweave.spec import te_available
+
+        if not te_available():
+            raise SystemExit("--fp8-recipe needs TransformerEngine")
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the block benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]

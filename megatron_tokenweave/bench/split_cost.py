@@ -8,11 +8,17 @@ The woven layer runs each tensor-parallel GEMM of a layer (qkv, proj, fc1, fc2 o
 than the stock block without communication (`te_nocomm`) times (whole / halves) of these GEMMs;
 this measures that factor: per token count T, the layer's four GEMMs on T rows vs on T/2 + T - T/2
 rows, each plan one CUDA graph, replays interleaved (bench/timing.py), bf16, torch's cuBLAS.
+
+With `--fp8-recipe R` (TE needed) the GEMMs are TE linears' FP8 GEMMs in recipe R (e4m3) as the
+woven linears run them (megatron_tokenweave.fp8_gemm: each half's input quantized, then TE's
+GEMM into its rows), whole and as halves, beside the bf16 whole plan (`bf16_whole_us`): what a
+woven FP8 layer's GEMMs cost against the bf16 ones on one GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -30,17 +36,39 @@ def layer_gemms(shape: Shape, tp: int) -> dict[str, tuple[int, int]]:
             "fc1": (shape.hidden, 2 * shape.ffn // tp), "fc2": (shape.ffn // tp, shape.hidden)}
 
 
-def measure(shape: Shape, tp: int, tokens: int, iters: int) -> list[dict]:
-    """Rows of whole / halves microseconds, per GEMM and for the layer's four together."""
+def _te_recipe(name: str):
+    """TE's recipe object of a Megatron recipe name, e4m3."""
+    from transformer_engine.common import recipe
+
+    fmt = recipe.Format.E4M3
+    return {"delayed": lambda: recipe.DelayedScaling(fp8_format=fmt),
+            "tensorwise": lambda: recipe.Float8CurrentScaling(fp8_format=fmt),
+            "blockwise": lambda: recipe.Float8BlockScaling(fp8_format=fmt)}[name]()
+
+
+def measure(shape: Shape, tp: int, tokens: int, iters: int, fp8_recipe: str = "none") -> list[dict]:
+    """Rows of whole / halves microseconds, per GEMM and for the layer's four together (FP8:
+    and the bf16 whole plan's)."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gemms = layer_gemms(shape, tp)
     weights = {n: torch.randn(k, m, device=dev, dtype=dtype) / k**0.5
                for n, (k, m) in gemms.items()}
     inputs = {n: torch.randn(tokens, k, device=dev, dtype=dtype) for n, (k, _) in gemms.items()}
     outs = {n: torch.empty(tokens, m, device=dev, dtype=dtype) for n, (_, m) in gemms.items()}
-    cut = tokens // 2
+    cut = tokens // 2 // 16 * 16 if fp8_recipe != "none" else tokens // 2  # FP8: 16-row halves
+    fp8 = contextlib.nullcontext()
+    if fp8_recipe != "none":
+        import transformer_engine.pytorch as te
 
-    def run(names, split: bool):
+        linears = {n: te.Linear(k, m, bias=False, params_dtype=dtype, device=dev)
+                   for n, (k, m) in gemms.items()}
+        with torch.no_grad():
+            for n, lin in linears.items():
+                lin.weight.copy_(weights[n].t())
+                lin.is_first_microbatch = True  # Megatron's rule: quantized once, then cached
+        fp8 = te.fp8_autocast(enabled=True, fp8_recipe=_te_recipe(fp8_recipe))
+
+    def bf16(names, split: bool):
         for n in names:
             if split:
                 torch.matmul(inputs[n][:cut], weights[n], out=outs[n][:cut])
@@ -48,15 +76,35 @@ def measure(shape: Shape, tp: int, tokens: int, iters: int) -> list[dict]:
             else:
                 torch.matmul(inputs[n], weights[n], out=outs[n])
 
-    plans = {(n, split): capture_graph(lambda names=names, split=split: run(names, split))
-             for n, names in [*((g, (g,)) for g in gemms), ("layer", tuple(gemms))]
-             for split in (False, True)}
-    us = interleaved_medians({key: (lambda i, g=g: g.replay()) for key, g in plans.items()},
-                             iters=iters)
-    return [dict(tokens=tokens, gemm=n, whole_us=round(us[(n, False)], 2),
-                 halves_us=round(us[(n, True)], 2),
-                 whole_over_halves=round(us[(n, False)] / us[(n, True)], 4))
-            for n in (*gemms, "layer")]
+    def woven_fp8(names, split: bool):
+        from megatron_tokenweave import fp8_gemm
+
+        for n in names:
+            x, out = inputs[n], outs[n]
+            with fp8_gemm.gemms(linears[n], x) as gemm:
+                for rows in ((slice(0, cut), slice(cut, tokens)) if split else (slice(None),)):
+                    gemm(x[rows], out[rows], None)
+
+    groups = [*((g, (g,)) for g in gemms), ("layer", tuple(gemms))]
+    with torch.no_grad(), fp8:
+        plans = {(n, split, kind): capture_graph(lambda names=names, split=split, run=run:
+                                                 run(names, split))
+                 for n, names in groups for split in (False, True)
+                 for kind, run in (("bf16", bf16), ("fp8", woven_fp8))
+                 if kind == "bf16" or fp8_recipe != "none"}
+        us = interleaved_medians({key: (lambda i, g=g: g.replay()) for key, g in plans.items()},
+                                 iters=iters)
+    kind = "bf16" if fp8_recipe == "none" else "fp8"
+    rows = []
+    for n in (*gemms, "layer"):
+        whole, halves = us[(n, False, kind)], us[(n, True, kind)]
+        row = dict(tokens=tokens, gemm=n, precision="bf16" if kind == "bf16"
+                   else f"fp8-e4m3-{fp8_recipe}", whole_us=round(whole, 2),
+                   halves_us=round(halves, 2), whole_over_halves=round(whole / halves, 4))
+        if kind == "fp8":
+            row["bf16_whole_us"] = round(us[(n, False, "bf16")], 2)
+        rows.append(row)
+    return rows
 
 
 def _plot(result: dict, path: str) -> None:
@@ -75,7 +123,8 @@ def _plot(result: dict, path: str) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("tokens")
     ax.set_ylabel("time whole / time as two halves")
-    ax.set_title(f"{result['model']} GEMMs, TP={result['tp']} shard: cost of the token split")
+    ax.set_title(f"{result['model']} GEMMs ({result.get('precision', 'bf16')}), "
+                 f"TP={result['tp']} shard: cost of the token split")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -86,6 +135,10 @@ def parser() -> argparse.ArgumentParser:
     add_model_argument(parser, "dense model shape")
     parser.add_argument("--tp", type=int, default=2,
                         help="tensor-parallel size whose per-rank GEMM shards are timed")
+    parser.add_argument("--fp8-recipe", default="none",
+                        choices=["none", "delayed", "tensorwise", "blockwise"],
+                        help="time TE's FP8 GEMMs in this recipe (e4m3) as the woven linears "
+                             "run them, beside the bf16 whole plan (TE needed)")
     add_sweep_arguments(parser, tokens=[1024, 2048, 4096, 8192], iters=30, timed="GEMM plan",
                         out="docs/results/split_cost.json")
     return parser
@@ -100,11 +153,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.model} is a mixture of experts: dense shapes only")
     rows = []
     for tokens in args.tokens:
-        rows += measure(shape, args.tp, tokens, args.iters)
+        rows += measure(shape, args.tp, tokens, args.iters, args.fp8_recipe)
         layer = rows[-1]
-        print(f"{tokens} tokens: layer GEMMs whole {layer['whole_us']} us, halves "
-              f"{layer['halves_us']} us ({layer['whole_over_halves']:.3f}x)", flush=True)
-    write_result("split_cost", argv, rows, args.out, _plot, model=args.model, tp=args.tp)
+        bf16 = f", bf16 whole {layer['bf16_whole_us']} us" if "bf16_whole_us" in layer else ""
+        print(f"{tokens} tokens: layer GEMMs ({layer['precision']}) whole {layer['whole_us']} "
+              f"us, halves {layer['halves_us']} us ({layer['whole_over_halves']:.3f}x){bf16}",
+              flush=True)
+    write_result("split_cost", argv, rows, args.out, _plot, model=args.model, tp=args.tp,
+                 precision=rows[-1]["precision"])
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ SHAPES = [(1, 1), (7, 3), (512, 1), (1024, 1), (1031, 1), (2048, 2)]
 
 
 def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None, te: bool = False,
-           moe_dispatch: str = "allgather"):
+           moe_dispatch: str = "allgather", quant: dict | None = None):
     """(stock bf16, tokenweave bf16, stock fp32 with the same weights: the yardstick); on
-    Megatron's TE spec and the TokenWeave TE flavour when `te`, else the local ones."""
+    Megatron's TE spec and the TokenWeave TE flavour when `te`, else the local ones; `quant`:
+    the FP8 fields of both bf16 models' config (fp8, fp8_recipe)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_tokenweave.config import TokenWeaveConfig
@@ -35,7 +36,8 @@ def _build(world: int, sp: bool, tw_kwargs: dict, layers: int = 2, shape=None, t
     shape = shape or Shape(1024, 2816, 8, 2, vocab=1024)
     extra = shape.spec_kwargs()
     stock_spec = stock_layer_spec(shape, te)
-    common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=moe_dispatch)
+    common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=moe_dispatch,
+                  **(quant or {}))
     stock_cfg = llama_config(shape, layers, world, **common)
     stock = build_gpt(stock_cfg, stock_spec, shape.vocab, 4096)
     cfg = llama_config(shape, layers, world, sequence_parallel=sp, **common)
@@ -66,9 +68,10 @@ def _load_golden(golden: torch.nn.Module, stock: torch.nn.Module) -> torch.nn.Mo
 HYBRID = "*-*-"
 
 
-def _build_hybrid(world: int, tw_kwargs: dict, te: bool):
+def _build_hybrid(world: int, tw_kwargs: dict, te: bool, quant: dict | None = None):
     """(stock bf16, tokenweave bf16, fp32 yardstick) HybridModels of HYBRID: Megatron's
-    hybrid_stack_spec and the TokenWeave TE flavour when `te`, else the local forms."""
+    hybrid_stack_spec and the TokenWeave TE flavour when `te`, else the local forms; `quant` as
+    `_build`'s."""
     from megatron_tokenweave.config import TokenWeaveConfig
     from megatron_tokenweave.hybrid import (
         get_hybrid_stack_tokenweave_spec,
@@ -85,7 +88,7 @@ def _build_hybrid(world: int, tw_kwargs: dict, te: bool):
     shape = Shape(1024, 2816, 8, 2, vocab=1024)
     layers = pattern_layers(HYBRID)
     cfg = llama_config(shape, layers, world, is_hybrid_model=True, bf16=True,
-                       params_dtype=torch.bfloat16)
+                       params_dtype=torch.bfloat16, **(quant or {}))
     tw_config = TokenWeaveConfig(max_tokens=8192, tuning_table="none", **tw_kwargs)
     stock = build_hybrid(cfg, stock_hybrid_stack_spec(te), shape.vocab, 4096, HYBRID)
     tw = build_hybrid(cfg, get_hybrid_stack_tokenweave_spec(te, tw_config), shape.vocab, 4096,
@@ -131,15 +134,34 @@ def _count_fused_calls() -> list[str]:
     return calls
 
 
+def _count_woven_fp8_gemms() -> list[int]:
+    """From now on in this rank, every FP8 GEMM a woven linear runs (fp8_gemm's call of TE's
+    general_gemm) appends its rows."""
+    from megatron_tokenweave import fp8_gemm
+
+    gemms: list[int] = []
+    original = fp8_gemm.general_gemm
+
+    def counting(weight, x, *args, **kwargs):
+        gemms.append(x.size(0) if hasattr(x, "size") else -1)
+        return original(weight, x, *args, **kwargs)
+
+    fp8_gemm.general_gemm = counting
+    return gemms
+
+
 def _parity(rank: int, world: int, te: bool = False,
-            layouts: tuple[bool, ...] = (False, True), hybrid: bool = False) -> list[tuple]:
+            layouts: tuple[bool, ...] = (False, True), hybrid: bool = False,
+            quant: dict | None = None, shapes: tuple = tuple(SHAPES)) -> list[tuple]:
     """Per layout, mechanism and split (forced, by policy), every shape: the stock and the
     tokenweave model's errors against the fp32 yardstick. GPTModels, or HybridModels of HYBRID
-    (replicated layout only)."""
+    (replicated layout only); `quant`: FP8 fields of both models' config (the woven FP8 GEMMs
+    are counted then: a case that ran none has a negative count)."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
     calls = _count_fused_calls()
+    fp8_gemms = _count_woven_fp8_gemms() if quant else None
     results = []
     for sp in layouts:
         mechanisms = [("kernel", "fused"), ("kernel", "copy_engine"), ("kernel", "collectives"),
@@ -149,9 +171,9 @@ def _parity(rank: int, world: int, te: bool = False,
         for backend, comm in mechanisms:
             for split in ({"split_threshold": 0}, {}):
                 tw_kwargs = {"backend": backend, "comm": comm, **split}
-                stock, tw, golden = (_build_hybrid(world, tw_kwargs, te) if hybrid
-                                     else _build(world, sp, tw_kwargs, te=te))
-                for seq, batch in SHAPES:
+                stock, tw, golden = (_build_hybrid(world, tw_kwargs, te, quant) if hybrid
+                                     else _build(world, sp, tw_kwargs, te=te, quant=quant))
+                for seq, batch in shapes:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
                     gen = torch.Generator().manual_seed(seq * 10 + batch)
@@ -166,11 +188,14 @@ def _parity(rank: int, world: int, te: bool = False,
                             results.append((sp, label, bool(split), seq, batch, str(exc)))
                             continue
                         calls.clear()
+                        if fp8_gemms is not None:
+                            fp8_gemms.clear()
                         out = tw(tokens, pos, attention_mask=None).float()
                     err_stock = ((ref - gold).norm() / gold.norm()).item()
                     err_tw = ((out - gold).norm() / gold.norm()).item()
+                    woven = len(calls) if fp8_gemms is None or fp8_gemms else -len(calls)
                     results.append((sp, f"{backend}/{comm}", bool(split), seq, batch,
-                                    err_stock, err_tw, len(calls)))
+                                    err_stock, err_tw, woven))
                 del stock, tw, golden
     return results
 
@@ -211,7 +236,8 @@ def _check_parity(results: list[tuple], stock: str, min_calls: int = 4) -> None:
     for sp, backend, split, seq, batch, err_stock, err_tw, calls in results:
         case = f"{stock} sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
         assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
-        assert calls >= min_calls, f"{case}: the fused op ran {calls} times"
+        assert calls >= min_calls, f"{case}: the fused op ran {calls} times (negative: and no " \
+            "woven FP8 GEMM)"
     worst_stock, worst_tw = max(r[5] for r in results), max(r[6] for r in results)
     print(f"max error vs fp32 ({stock}): stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
 
@@ -225,6 +251,51 @@ def test_logits_match_te_spec_bf16():
     if not te_available():
         pytest.skip("TransformerEngine does not import here")
     _check_parity(spawn(_parity, 2, True)[0], "TE")
+
+
+# TE's FP8 recipes on Hopper (all woven), and token counts FP8 GEMMs take (multiples of 16 rows):
+# below and above the split threshold, an odd number of 16-row granules, a batch of 2.
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+FP8_SHAPES = ((16, 1), (512, 1), (1040, 1), (1024, 2))
+
+
+def _one_gpu_te() -> None:
+    """Skip unless the extension is built and TE imports (the FP8 tests' needs)."""
+    from megatron_tokenweave.kernels import is_available
+    from megatron_tokenweave.spec import te_available
+
+    if not is_available():
+        pytest.skip("the CUDA extension is not available")
+    if not te_available():
+        pytest.skip("TransformerEngine does not import here")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp8_logits_match_te_fp8_spec_ranks_sharing_one_gpu(world, recipe):
+    """FP8 (e4m3, each recipe TE runs on Hopper), TP 2 and 4 as processes sharing GPU 0: the
+    TokenWeave TE flavour, its linears running TE's FP8 GEMMs half by half, against Megatron's TE
+    spec in the same recipe with the same weights, both starting from fresh quantizer state;
+    every mechanism (the GEMM-fused one gives way to the fused op in FP8), split forced and by
+    policy, replicated layout: error against the fp32 yardstick within the stock FP8 model's
+    own (x1.25 + 1e-3), woven FP8 GEMMs in every case."""
+    _one_gpu_te()
+    quant = {"fp8": "e4m3", "fp8_recipe": recipe}
+    _check_parity(spawn(_parity, world, True, (False,), False, quant, FP8_SHAPES,
+                        backend="gloo")[0], f"TE FP8 {recipe}, {world} ranks on one GPU")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_hybrid_matches_te_hybrid_stack_ranks_sharing_one_gpu(recipe):
+    """The same for HybridModel `*-*-` (TP 2 sharing GPU 0) against Megatron's
+    hybrid_stack_spec in FP8."""
+    _one_gpu_te()
+    quant = {"fp8": "e4m3", "fp8_recipe": recipe}
+    _check_parity(spawn(_parity, 2, True, (False,), True, quant, FP8_SHAPES,
+                        backend="gloo")[0], f"hybrid_stack_spec FP8 {recipe}, 2 ranks on one GPU",
+                  min_calls=len(HYBRID))
 
 
 def _families(rank: int, world: int) -> list[tuple]:
@@ -404,18 +475,19 @@ def test_hybrid_matches_megatron_hybrid_stack_ranks_sharing_one_gpu(world):
                   f"{stock}, {world} ranks on one GPU", min_calls=len(HYBRID))
 
 
-def _hybrid_graph(rank: int, world: int, te: bool) -> tuple[list[float], list[int]]:
+def _hybrid_graph(rank: int, world: int, te: bool, quant: dict | None = None,
+                  shapes: tuple = ((2, 4), (1024, 1))) -> tuple[list[float], list[int]]:
     """The woven hybrid stack captured as one CUDA graph (Megatron's block scope): replays
     against eager forwards of the same inputs, each mechanism that moves data without host
-    collectives."""
+    collectives; `quant`: FP8 fields of the model's config."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
     calls = _count_fused_calls()
     errors, woven = [], []
     for comm in (c for c in COMMS if c != "collectives"):
-        _, tw, _ = _build_hybrid(world, {"comm": comm, "split_threshold": 256}, te)
-        for seq, batch in ((2, 4), (1024, 1)):
+        _, tw, _ = _build_hybrid(world, {"comm": comm, "split_threshold": 256}, te, quant)
+        for seq, batch in shapes:
             rpe = tw.rotary_pos_emb(seq)
             static = torch.randn(seq, batch, 1024, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
@@ -449,6 +521,22 @@ def test_hybrid_stack_graph_replay_matches_eager_ranks_sharing_one_gpu():
     if not is_available():
         pytest.skip("the CUDA extension is not available")
     errors, woven = spawn(_hybrid_graph, 2, te_available(), backend="gloo")[0]
+    comms = len([c for c in COMMS if c != "collectives"])
+    assert woven == [len(HYBRID), 2 * len(HYBRID)] * comms, woven
+    assert len(errors) == comms * 2 * 10
+    assert max(errors) == 0.0, f"graph replay differs from eager: {max(errors)}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_hybrid_stack_graph_replay_matches_eager_ranks_sharing_one_gpu(recipe):
+    """The same in FP8 with the current-scaling recipes (each call's scales come from its own
+    rows, so a replay and an eager forward of the same inputs quantize alike; delayed scaling's
+    scales move between calls by design): 16 rows unsplit, 1024 split, bit for bit."""
+    _one_gpu_te()
+    quant = {"fp8": "e4m3", "fp8_recipe": recipe}
+    errors, woven = spawn(_hybrid_graph, 2, True, quant, ((16, 1), (1024, 1)),
+                          backend="gloo")[0]
     comms = len([c for c in COMMS if c != "collectives"])
     assert woven == [len(HYBRID), 2 * len(HYBRID)] * comms, woven
     assert len(errors) == comms * 2 * 10

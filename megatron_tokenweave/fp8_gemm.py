@@ -1,0 +1,152 @@
+"""FP8 GEMMs of the woven TE linears, under the FP8 context Megatron's block enters.
+
+A woven linear computes its rows half by half (linears.Weave), so it cannot hand its input to
+TE's module forward, which would quantize, multiply and (row-parallel) all-reduce all rows at
+once. It runs the same pieces itself, taken from the module, so that what a stock forward
+keeps stays as the stock forward keeps it:
+
+- `prepare_forward` once per call: FP8 metadata initialised and, for delayed scaling, the
+  module's amax and scale registered for the autocast's reduction, as in a stock forward;
+- the weight quantized by the module's weight quantizer into the module's own workspace cache,
+  following Megatron's `is_first_microbatch` rule (quantized at the first forward, reused after;
+  under CUDA-graph capture the skip-update flag), so stock and woven forwards share one FP8
+  weight;
+- each half's input quantized by the module's input quantizer, then TE's GEMM writes into the
+  destination the weave gives (the communicator's partial-sum rows: no copy).
+
+Per-half quantization against the stock whole-call one: delayed scaling uses the one known scale
+for both halves and its amax accumulates (a max) over both, so the FP8 input and the recorded
+amax equal the stock forward's; blockwise scaling (1 x 128 activation blocks) is row-local, so the
+halves' FP8 data equal the stock forward's. Current (tensorwise) scaling takes each half's own amax
+and scale: a stock-identical scale would need the other half's rows before the first half's GEMM,
+the wait the schedule exists to avoid, and a scale over fewer rows is never coarser than one over
+all of them. The input is already gathered here, so no amax is reduced across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# (x [rows, in], out [rows, out] contiguous, bias [out] or None): out = x @ W^T (+ bias)
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
+
+# Rows of every FP8 GEMM input: TE's FP8 GEMMs take multiples of 8; Megatron's FP8 inference
+# padding (fp8_utils.prepare_model_for_fp8_inference) pads to 16, which then never pads a woven
+# call.
+FP8_ROWS = 16
+
+try:
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
+    from transformer_engine.pytorch.module.base import (
+        TransformerEngineBaseModule,
+        quantize_weight,
+    )
+
+    _MISSING: str | None = None
+except Exception as exc:  # noqa: BLE001 - no TE, or a TE without these pieces
+    TransformerEngineBaseModule = None  # type: ignore[assignment,misc]
+    _MISSING = f"{type(exc).__name__}: {exc}"
+
+
+def missing() -> str | None:
+    """Why this TransformerEngine cannot run the woven FP8 GEMMs (None: it can)."""
+    return _MISSING
+
+
+def is_te(module: torch.nn.Module) -> bool:
+    """Whether the module is a TE linear whose FP8 GEMMs this module can run."""
+    return _MISSING is None and isinstance(module, TransformerEngineBaseModule)
+
+
+def module_reason(module: torch.nn.Module) -> str | None:
+    """Why a linear's FP8 GEMMs are not woven (None: they are)."""
+    if not is_te(module):
+        return (f"{type(module).__name__} is not a TransformerEngine linear (FP8 GEMMs are "
+                f"TE's{'' if _MISSING is None else '; ' + _MISSING})")
+    if getattr(module, "te_quant_params", None) is not None:
+        return "per-module quantization recipes (te_quant_params) are not woven"
+    return None
+
+
+def active() -> bool:
+    """Whether the GEMMs of a TE linear called now are FP8 (inside an enabled FP8 autocast)."""
+    return _MISSING is None and FP8GlobalStateManager.is_fp8_enabled()
+
+
+@contextlib.contextmanager
+def _prepared(module: Any, x: torch.Tensor) -> Iterator[None]:
+    """The module's FP8 forward preparation, as its own forward does it (TE 2.20:
+    prepare_forward + end_forward; earlier: prepare_forward as a context)."""
+    ctx = getattr(module, "prepare_forward_ctx", None)
+    if ctx is not None:
+        with ctx(x):
+            yield
+        return
+    prepared = module.prepare_forward(x)
+    if hasattr(prepared, "__enter__"):
+        with prepared:
+            yield
+        return
+    try:
+        yield
+    finally:
+        module.end_forward()
+
+
+def _weight(module: Any, quantizer: Any) -> Any:
+    """The module's FP8 weight, from its workspace cache under Megatron's rule (TELinear.forward:
+    quantized at the first forward, reused after, unless the transpose cache is disabled; a
+    module without Megatron's flag is quantized every call, as TE's own forward does then)."""
+    weight, _ = module._get_weight_and_bias_tensors()
+    first = (None if getattr(module, "disable_parameter_transpose_cache", False)
+             else getattr(module, "is_first_microbatch", None))  # a plain te.Linear: None
+    module.is_first_microbatch = False
+    skip = None
+    if FP8GlobalStateManager.fp8_graph_capturing():
+        skip = FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor
+    if skip is not None:
+        first = False
+    cache = None if first is None else "weight"
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    if hasattr(module, "_enable_weight_preswizzle"):
+        quantizer.optimize_for_gemm = module._enable_weight_preswizzle(quantizer, weight)
+    weightmat, new = quantize_weight(
+        tensor=weight, quantizer=quantizer,
+        workspace=module._fp8_workspaces.get(cache) if cache else None,
+        update_workspace=first is None or first, skip_update_flag=skip,
+        workspace_dtype=module.activation_dtype, cache=cache is not None)
+    if new is not None:
+        module._fp8_workspaces[cache] = new.detach() if isinstance(new, torch.Tensor) else new
+    weightmat.update_usage(rowwise_usage=True)
+    return weightmat
+
+
+@contextlib.contextmanager
+def gemms(module: Any, x: torch.Tensor) -> Iterator[Gemm]:
+    """Inside the scope, the module's FP8 GEMM on any rows of its input x (`Gemm`)."""
+    with _prepared(module, x):
+        if not module.fp8:
+            raise RuntimeError(f"TokenWeave: {type(module).__name__} is not in FP8 inside an "
+                               "enabled FP8 autocast")
+        input_q, weight_q, *_ = module._get_quantizers(False, False, False)
+        set_quantizer_amax_reduction_group(input_q, None)
+        input_q.set_usage(rowwise=True, columnwise=False)
+        weight = _weight(module, weight_q)
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        fprop = getattr(recipe, "fp8_gemm_fprop", None)
+        split_acc = bool(getattr(fprop, "use_split_accumulator", False))
+
+        def gemm(rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+            if rows.shape[0] % FP8_ROWS:
+                raise ValueError(f"TokenWeave: FP8 GEMMs take multiples of {FP8_ROWS} rows, "
+                                 f"got {rows.shape[0]}")
+            general_gemm(weight, input_q(rows), out_dtype=out.dtype, bias=bias,
+                         use_split_accumulator=split_acc, out=out)
+
+        yield gemm
