@@ -33,6 +33,16 @@ _RECIPE_NOTES = {
 }
 
 
+def fp8_fields(recipe: str) -> dict[str, str]:
+    """The TransformerConfig fields of one of the woven FP8 recipes in e4m3 ("none": bf16
+    GEMMs, no fields): what the benchmarks' --fp8-recipe sets."""
+    if recipe == "none":
+        return {}
+    if recipe not in WOVEN_FP8_RECIPES:
+        raise ValueError(f"FP8 recipe must be one of {WOVEN_FP8_RECIPES} or 'none', got {recipe!r}")
+    return {"fp8": "e4m3", "fp8_recipe": recipe}
+
+
 def _value(field: Any) -> str | None:
     """An enum member's value or a plain string (Megatron takes either), None when unset."""
     if field is None or field is False:

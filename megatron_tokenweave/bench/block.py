@@ -51,7 +51,7 @@ from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
-from megatron_tokenweave.precision import NATIVE, WOVEN_FP8_RECIPES, gemm_precision
+from megatron_tokenweave.precision import NATIVE, WOVEN_FP8_RECIPES, fp8_fields, gemm_precision
 
 # name: (sequence parallel, TokenWeaveConfig overrides)
 VARIANTS = {
@@ -98,11 +98,6 @@ def hybrid_blocks(shape, layers: int, world: int, use_te: bool, tw_cfg, common: 
         block.load_state_dict(state, strict=True)
         blocks[name] = block
     return blocks
-
-
-def fp8_fields(recipe: str) -> dict:
-    """The TransformerConfig fields of `--fp8-recipe` (none: bf16 GEMMs)."""
-    return {} if recipe == "none" else {"fp8": "e4m3", "fp8_recipe": recipe}
 
 
 def model_class(impl: str) -> str:

@@ -20,6 +20,9 @@ interleaving the two models:
                 batch's prefill is one forward). The row says which. Also `<stock>_nocomm`
                 (the ceiling) unless the engine runs CUDA graphs (their captures hold the
                 collectives; a ceiling there needs a model captured without them).
+With `--fp8-recipe R` both models run their GEMMs in TE's FP8 recipe R (e4m3); every row says its
+`precision`. A woven FP8 forward takes multiples of 16 rows per chunk; other counts take the
+stock path (as Megatron's FP8 inference padding would then pad them).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES
+from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, fp8_fields
 
 
 def _wall(fn: Callable[[], object]) -> float:
@@ -113,7 +117,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     tw_config = TokenWeaveConfig(max_tokens=max(
         max(args.prefill_tokens), args.max_batch * args.mixed_max, args.chunk))
     models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(
-        shape, args.layers, world, tw_config, te, max_seq), strict=True))
+        shape, args.layers, world, tw_config, te, max_seq, **fp8_fields(args.fp8_recipe)),
+        strict=True))
     tokenizer = ByteTokenizer(shape.vocab)
     rows: list[dict] = []
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -123,8 +128,9 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     if "throughput" in args.metrics:
         rows += _throughput_rows(models, stock_name, shape, tokenizer, tw_config, te, max_seq,
                                  args, say)
+    precision = "bf16" if args.fp8_recipe == "none" else f"fp8-e4m3-{args.fp8_recipe}"
     for row in rows:
-        row.update(model=args.model, layers=args.layers, tp=world)
+        row.update(model=args.model, layers=args.layers, tp=world, precision=precision)
     return rows
 
 
@@ -152,7 +158,8 @@ def _throughput_rows(models: dict, stock_name: str, shape, tokenizer, tw_config,
         torch.cuda.empty_cache()
         clear_attention_backend_env()
         models = dict(zip((stock_name, "tokenweave"), stock_and_tokenweave(
-            shape, args.layers, world, tw_config, te, max_seq, **overrides), strict=True))
+            shape, args.layers, world, tw_config, te, max_seq, **overrides,
+            **fp8_fields(args.fp8_recipe)), strict=True))
     prompts = _workload(args, buckets=not use_dynamic)
     prompt_tokens = sum(len(p) for p in prompts)
     runs: dict[str, tuple[Callable[[object], int], Callable]] = {}
@@ -293,6 +300,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graph-scope", choices=["layer", "block"], default="layer",
                         help="with --cuda-graphs: a graph per layer or per decoder block")
     parser.add_argument("--local", action="store_true", help="local specs even with TE")
+    parser.add_argument("--fp8-recipe", default="none", choices=["none", *WOVEN_FP8_RECIPES],
+                        help="both models' GEMMs in this TE FP8 recipe (e4m3; TE needed)")
     parser.add_argument("--metrics", nargs="+", choices=["prefill", "throughput"],
                         default=["prefill", "throughput"], help="what to measure")
     parser.add_argument("--out", default="docs/results/e2e_tp2.json",

@@ -9,10 +9,11 @@ than the stock block without communication (`te_nocomm`) times (whole / halves) 
 this measures that factor: per token count T, the layer's four GEMMs on T rows vs on T/2 + T - T/2
 rows, each plan one CUDA graph, replays interleaved (bench/timing.py), bf16, torch's cuBLAS.
 
-With `--fp8-recipe R` (TE needed) the GEMMs are TE linears' FP8 GEMMs in recipe R (e4m3) as the
-woven linears run them (megatron_tokenweave.fp8_gemm: each half's input quantized, then TE's
-GEMM into its rows), whole and as halves, beside the bf16 whole plan (`bf16_whole_us`): what a
-woven FP8 layer's GEMMs cost against the bf16 ones on one GPU.
+With `--fp8-recipe R ...` (TE needed) the GEMMs are TE linears' FP8 GEMMs in each recipe R (e4m3)
+as the woven linears run them (megatron_tokenweave.fp8_gemm: each half's input quantized, then
+TE's GEMM into its rows), whole and as halves, beside the bf16 whole plan (`bf16_whole_us`):
+what a woven FP8 layer's GEMMs cost against the bf16 ones on one GPU. Every row says its
+`precision`.
 """
 
 from __future__ import annotations
@@ -108,24 +109,46 @@ def measure(shape: Shape, tp: int, tokens: int, iters: int, fp8_recipe: str = "n
 
 
 def _plot(result: dict, path: str) -> None:
+    """bf16 only: bars per GEMM and token count. With FP8 rows: the layer's whole / halves per
+    precision, and how much faster the FP8 whole plan is than the bf16 one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    names = list(dict.fromkeys(r["gemm"] for r in rows))
     lengths = sorted({r["tokens"] for r in rows})
-    by = {(r["gemm"], r["tokens"]): r["whole_over_halves"] for r in rows}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    grouped_bars(ax, lengths, {n: [by[(n, t)] for t in lengths] for n in names})
-    ax.set_ylim(0.8, 1.05)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("time whole / time as two halves")
-    ax.set_title(f"{result['model']} GEMMs ({result.get('precision', 'bf16')}), "
-                 f"TP={result['tp']} shard: cost of the token split")
-    ax.legend(loc="lower right", fontsize=8)
+    title = f"{result['model']} GEMMs, TP={result['tp']} shard"
+    fp8 = [r for r in rows if "bf16_whole_us" in r and r["gemm"] == "layer"]
+    if not fp8:
+        names = list(dict.fromkeys(r["gemm"] for r in rows))
+        by = {(r["gemm"], r["tokens"]): r["whole_over_halves"] for r in rows}
+        fig, ax = plt.subplots(figsize=(7, 4))
+        grouped_bars(ax, lengths, {n: [by[(n, t)] for t in lengths] for n in names})
+        ax.set_ylim(0.8, 1.05)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("time whole / time as two halves")
+        ax.set_title(f"{title}: cost of the token split")
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        for precision in dict.fromkeys(r["precision"] for r in fp8):
+            mine = sorted((r for r in fp8 if r["precision"] == precision),
+                          key=lambda r: r["tokens"])
+            ts = [r["tokens"] for r in mine]
+            left.plot(ts, [r["whole_over_halves"] for r in mine], "o-", label=precision)
+            right.plot(ts, [r["bf16_whole_us"] / r["whole_us"] for r in mine], "o-",
+                       label=precision)
+        left.axhline(1.0, color="gray", lw=0.8)
+        left.set_ylabel("layer GEMMs: time whole / time as two halves")
+        left.set_title(f"{title}: cost of the token split")
+        right.set_ylabel("layer GEMMs: bf16 whole time / FP8 whole time")
+        right.set_title("FP8 against bf16 (whole plans)")
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -135,10 +158,11 @@ def parser() -> argparse.ArgumentParser:
     add_model_argument(parser, "dense model shape")
     parser.add_argument("--tp", type=int, default=2,
                         help="tensor-parallel size whose per-rank GEMM shards are timed")
-    parser.add_argument("--fp8-recipe", default="none",
+    parser.add_argument("--fp8-recipe", nargs="+", default=["none"],
                         choices=["none", "delayed", "tensorwise", "blockwise"],
-                        help="time TE's FP8 GEMMs in this recipe (e4m3) as the woven linears "
-                             "run them, beside the bf16 whole plan (TE needed)")
+                        help="none: bf16 GEMMs; else TE's FP8 GEMMs in each recipe (e4m3) as "
+                             "the woven linears run them, beside the bf16 whole plan (TE "
+                             "needed)")
     add_sweep_arguments(parser, tokens=[1024, 2048, 4096, 8192], iters=30, timed="GEMM plan",
                         out="docs/results/split_cost.json")
     return parser
@@ -152,15 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     if shape.experts:
         raise SystemExit(f"{args.model} is a mixture of experts: dense shapes only")
     rows = []
-    for tokens in args.tokens:
-        rows += measure(shape, args.tp, tokens, args.iters, args.fp8_recipe)
-        layer = rows[-1]
-        bf16 = f", bf16 whole {layer['bf16_whole_us']} us" if "bf16_whole_us" in layer else ""
-        print(f"{tokens} tokens: layer GEMMs ({layer['precision']}) whole {layer['whole_us']} "
-              f"us, halves {layer['halves_us']} us ({layer['whole_over_halves']:.3f}x){bf16}",
-              flush=True)
-    write_result("split_cost", argv, rows, args.out, _plot, model=args.model, tp=args.tp,
-                 precision=rows[-1]["precision"])
+    for recipe in args.fp8_recipe:
+        for tokens in args.tokens:
+            rows += measure(shape, args.tp, tokens, args.iters, recipe)
+            layer = rows[-1]
+            bf16 = f", bf16 whole {layer['bf16_whole_us']} us" if "bf16_whole_us" in layer else ""
+            print(f"{tokens} tokens: layer GEMMs ({layer['precision']}) whole "
+                  f"{layer['whole_us']} us, halves {layer['halves_us']} us "
+                  f"({layer['whole_over_halves']:.3f}x){bf16}", flush=True)
+    write_result("split_cost", argv, rows, args.out, _plot, model=args.model, tp=args.tp)
 
 
 if __name__ == "__main__":

@@ -541,3 +541,74 @@ def test_fp8_hybrid_stack_graph_replay_matches_eager_ranks_sharing_one_gpu(recip
     assert woven == [len(HYBRID), 2 * len(HYBRID)] * comms, woven
     assert len(errors) == comms * 2 * 10
     assert max(errors) == 0.0, f"graph replay differs from eager: {max(errors)}"
+
+
+def _stock_key(key: str) -> str | None:
+    """The TE-spec key of a TokenWeave TE-flavour state-dict key (None: the separate norms'
+    extra state, which the stock spec's fused norms do not have)."""
+    from megatron_tokenweave.spec import NORM_KEYS_MAP
+
+    for ours, theirs in NORM_KEYS_MAP.items():
+        if ours + "_extra_state" in key:
+            return None
+        key = key.replace(ours, theirs)
+    return key
+
+
+def _delayed_state(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each TE linear's delayed-scaling forward state (scales, amax history), by module name."""
+    return {name: (m.fp8_meta["scaling_fwd"].scale.clone(),
+                   m.fp8_meta["scaling_fwd"].amax_history.clone())
+            for name, m in model.named_modules()
+            if name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))}
+
+
+def _fp8_checkpoint(rank: int, world: int) -> list[tuple]:
+    """Delayed scaling's state through plain state dicts, both ways: the stock TE model after
+    three FP8 forwards into a fresh TokenWeave model, then (after two woven forwards) into a
+    fresh stock model. Per load: whether every linear's scales and amax history arrived exactly,
+    and both models' next-forward errors against the fp32 yardstick."""
+    from megatron_tokenweave.launch import initialize_model_parallel
+
+    initialize_model_parallel(world)
+    quant = {"fp8": "e4m3", "fp8_recipe": "delayed"}
+    stock, tw, golden = _build(world, False, {"split_threshold": 0}, te=True, quant=quant)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 1024, (1, 512), generator=gen).cuda() for _ in range(4)]
+    pos = torch.arange(512, device="cuda").unsqueeze(0)
+
+    def errors(a: torch.nn.Module, b: torch.nn.Module, tokens: torch.Tensor) -> tuple:
+        gold = golden(tokens, pos, attention_mask=None).float()
+        return tuple(((m(tokens, pos, attention_mask=None).float() - gold).norm()
+                      / gold.norm()).item() for m in (a, b))
+
+    results = []
+    with torch.no_grad():
+        for tokens in batches[:3]:
+            stock(tokens, pos, attention_mask=None)
+        tw.load_state_dict(stock.state_dict(), strict=True)
+        same = all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in
+                   zip(_delayed_state(stock).values(), _delayed_state(tw).values(), strict=True))
+        results.append(("stock->tokenweave", same, *errors(stock, tw, batches[3])))
+        for tokens in batches[:2]:
+            tw(tokens, pos, attention_mask=None)
+        back, _, _ = _build(world, False, {}, te=True, quant=quant)
+        mapped = {_stock_key(k): v for k, v in tw.state_dict().items()}
+        back.load_state_dict({k: v for k, v in mapped.items() if k is not None}, strict=True)
+        same = all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in
+                   zip(_delayed_state(tw).values(), _delayed_state(back).values(), strict=True))
+        results.append(("tokenweave->stock", same, *errors(back, tw, batches[3])))
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fp8_delayed_scaling_state_loads_both_ways_ranks_sharing_one_gpu():
+    """TE's extra state (delayed scaling's scales and amax histories) of the woven FP8 linears is
+    the stock spec's: saved by either model, it loads strictly into the other and arrives bit for
+    bit, and the loaded model's next forward is within the stock FP8 model's own error against
+    fp32 (x1.25 + 1e-3). 2 ranks sharing GPU 0."""
+    _one_gpu_te()
+    for direction, same, err_stock, err_tw in spawn(_fp8_checkpoint, 2, backend="gloo")[0]:
+        assert same, f"{direction}: the delayed-scaling state changed in the load"
+        assert err_tw <= 1.25 * err_stock + 1e-3, (direction, err_tw, err_stock)
+        print(f"{direction}: error vs fp32 stock {err_stock:.3e}, tokenweave {err_tw:.3e}")
