@@ -17,10 +17,11 @@ keeps stays as the stock forward keeps it:
 Per-half quantization against the stock whole-call one: delayed scaling uses the one known scale
 for both halves and its amax accumulates (a max) over both, so the FP8 input and the recorded
 amax equal the stock forward's; blockwise scaling (1 x 128 activation blocks) is row-local, so the
-halves' FP8 data equal the stock forward's. Current (tensorwise) scaling takes each half's own amax
-and scale: a stock-identical scale would need the other half's rows before the first half's GEMM,
-the wait the schedule exists to avoid, and a scale over fewer rows is never coarser than one over
-all of them. The input is already gathered here, so no amax is reduced across ranks.
+halves' FP8 data equal the stock forward's. Current (tensorwise) scaling takes each half's own
+amax and scale (each chunk's half with sequence parallelism, one GEMM per chunk): a
+stock-identical scale would need the other half's rows before the first half's GEMM, the wait
+the schedule exists to avoid, and a scale over fewer rows is never coarser than one over all of
+them. The input is already gathered here, so no amax is reduced across ranks.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import torch
 # (x [rows, in], out [rows, out] contiguous, bias [out] or None): out = x @ W^T (+ bias)
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
 
-# Rows of every FP8 GEMM input: TE's FP8 GEMMs take multiples of 8; Megatron's FP8 inference
-# padding (fp8_utils.prepare_model_for_fp8_inference) pads to 16, which then never pads a woven
-# call.
+# Rows of every woven FP8 GEMM input (per chunk and half): TE's FP8 GEMMs take multiples of 8;
+# 16 is the granule Megatron's FP8 inference padding (fp8_utils.prepare_model_for_fp8_inference)
+# pads to, so a call the woven layer leaves to the stock path is padded as Megatron pads it.
 FP8_ROWS = 16
 
 try:
@@ -79,6 +80,17 @@ def active() -> bool:
     return _MISSING is None and FP8GlobalStateManager.is_fp8_enabled()
 
 
+def autocast_reason() -> str | None:
+    """Why the enabled FP8 autocast's recipe is not woven (None: it is one of TE's Hopper
+    recipes, delayed, current (tensorwise) or block scaling). Megatron enters the recipe its
+    config names, which the layer's structure check has checked; an autocast entered around the
+    model may name another."""
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    if recipe.delayed() or recipe.float8_current_scaling() or recipe.float8_block_scaling():
+        return None
+    return f"the FP8 autocast's recipe {type(recipe).__name__} is not woven"
+
+
 @contextlib.contextmanager
 def _prepared(module: Any, x: torch.Tensor) -> Iterator[None]:
     """The module's FP8 forward preparation, as its own forward does it (TE 2.20:
@@ -106,7 +118,8 @@ def _weight(module: Any, quantizer: Any) -> Any:
     weight, _ = module._get_weight_and_bias_tensors()
     first = (None if getattr(module, "disable_parameter_transpose_cache", False)
              else getattr(module, "is_first_microbatch", None))  # a plain te.Linear: None
-    module.is_first_microbatch = False
+    if hasattr(module, "is_first_microbatch"):
+        module.is_first_microbatch = False
     skip = None
     if FP8GlobalStateManager.fp8_graph_capturing():
         skip = FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor

@@ -32,7 +32,7 @@ from megatron_tokenweave.log import log_once
 from megatron_tokenweave.norm import norm_weight_eps, norm_weight_eps_in
 from megatron_tokenweave.ops.validate import KERNEL_DTYPES, SUPPORTED_DTYPES, VECTOR_ELEMS
 from megatron_tokenweave.policy import TableKey, get_policy
-from megatron_tokenweave.precision import NATIVE, gemm_precision, unwoven_reason
+from megatron_tokenweave.precision import gemm_precision, unwoven_reason
 from megatron_tokenweave.schedule import Handoff, WeaveChain, plan_halves
 from megatron_tokenweave.stages import MixerStage, layer_stages
 from megatron_tokenweave.woven import WovenForward
@@ -159,9 +159,6 @@ class WovenLayer:
         precision = unwoven_reason(cfg, linears)
         if precision is not None:
             return precision
-        if cfg.sequence_parallel and any(_padded_for_fp8(m) for m in linears):
-            return ("Megatron's FP8 inference padding wraps the linears and all-gathers their "
-                    "sequence-parallel input itself")
         return None
 
     def _structure_reason(self) -> str | None:
@@ -193,16 +190,27 @@ class WovenLayer:
             return f"the CUDA kernel takes bf16/fp16, not {hidden_states.dtype}"
         if hidden_states.dim() != 3 or not hidden_states.is_contiguous():
             return "hidden_states is not a contiguous [s, b, h] tensor"
-        rows = hidden_states.shape[0] * hidden_states.shape[1]
-        if self._fp8_now() and rows % fp8_gemm.FP8_ROWS:
-            return (f"FP8 GEMMs take multiples of {fp8_gemm.FP8_ROWS} rows per chunk (Megatron's "
-                    "FP8 inference padding makes them)")
+        if self._fp8_now():
+            reason = fp8_gemm.autocast_reason()
+            if reason is not None:
+                return reason
+            if hidden_states.shape[0] * hidden_states.shape[1] % fp8_gemm.FP8_ROWS:
+                return (f"FP8 GEMMs take multiples of {fp8_gemm.FP8_ROWS} rows per chunk (the "
+                        "stock path pads them, as Megatron's FP8 inference padding does)")
         return None
 
+    @functools.cached_property
+    def _te_linears(self) -> bool:
+        """Whether every woven linear of the layer is a TE one (whose GEMMs follow TE's FP8
+        autocast, as in the stock forward)."""
+        return all(fp8_gemm.is_te(m) for s in self._stages() if not s.is_moe
+                   for m in (s.column, s.row))
+
     def _fp8_now(self) -> bool:
-        """Whether this call's linears run FP8 GEMMs (an FP8 config, inside an enabled FP8
-        autocast: Megatron leaves a model's first / last layers in bf16 where asked)."""
-        return self._gemm_precision != NATIVE and fp8_gemm.active()
+        """Whether this call's linears run FP8 GEMMs: TE linears inside an enabled FP8 autocast,
+        which is what decides it for the stock TE linears too (Megatron enters it per layer from
+        config.fp8, and leaves a model's first / last layers in bf16 where asked)."""
+        return self._te_linears and fp8_gemm.active()
 
     # ----------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -274,7 +282,8 @@ class WovenLayer:
         if plan.comm == "gemm" or (graph_policy and not is_moe and graph_policy.may_use("gemm")):
             comm.prepare_gemm()
         step = WovenForward(x, world, rank, sp, comm, plan, halves,
-                            self._chain.side_stream(x.device), validate=not self._validated)
+                            self._chain.side_stream(x.device), validate=not self._validated,
+                            fp8=fp8)
         inputs = step.inputs(handoff, self.first_norm(), group, x)
         residual = step.residual_in
         for k, stage in enumerate(stages):
@@ -306,16 +315,6 @@ class WovenLayer:
         capture isolation). A graph of a whole block or model keeps the cross-layer deferral
         (its last layer joins)."""
         return hasattr(self, "cudagraph_manager")
-
-
-def _padded_for_fp8(linear: torch.nn.Module) -> bool:
-    """Whether Megatron's FP8 inference padding (fp8_utils.prepare_model_for_fp8_inference)
-    wrapped this linear's forward."""
-    try:
-        from megatron.core.fp8_utils import _fp8_inference_wrapped_modules
-    except ImportError:  # a Megatron without TE has no such wrapper
-        return False
-    return linear in _fp8_inference_wrapped_modules
 
 
 def seal_chain(config: Any) -> None:

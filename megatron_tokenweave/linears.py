@@ -47,11 +47,12 @@ ChunkGemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
 
 
 @contextlib.contextmanager
-def _gemms(module: torch.nn.Module, x: torch.Tensor) -> Iterator[ChunkGemm]:
+def _gemms(module: torch.nn.Module, x: torch.Tensor, fp8: bool) -> Iterator[ChunkGemm]:
     """The module's GEMM for one woven call on input x: TE's FP8 GEMM per chunk (each chunk's
-    rows of a half are contiguous, as TE's GEMM wants them) where the module is a TE linear
-    inside an enabled FP8 autocast, else one strided-batched GEMM in the activations' dtype."""
-    if fp8_gemm.active() and fp8_gemm.is_te(module):
+    rows of a half are contiguous, as TE's GEMM wants them) where the layer runs this call in
+    FP8 (`fp8`: a TE linear inside an enabled FP8 autocast), else one strided-batched GEMM in
+    the activations' dtype."""
+    if fp8 and fp8_gemm.is_te(module):
         # One row is what TE's forward preparation reads (device, dtype); a whole non-contiguous
         # input would be copied there.
         with fp8_gemm.gemms(module, x[0, :1]) as gemm:
@@ -83,6 +84,8 @@ class Weave:
     gemm(i, x, half, weight, bias): row-parallel only, the GEMM-fused mechanism: computes half
         i (rows `half` of every chunk of x [chunks, rows, in]) with the communicating GEMM
         instead of writing `partials` (bias: the one to add, or None).
+    fp8: the call's GEMMs are TE's FP8 ones (the layer decides: fp8_gemm.active() on TE
+        linears, the rows whole 16-row granules).
 
     A weave runs once, on exactly the rows its halves cover: a mixer that called its linear
     twice in one stage, or on other rows, would have its halves launched on the wrong data, so
@@ -96,6 +99,7 @@ class Weave:
     after: Callable[[int], None] | None = None
     add_bias: bool = False
     gemm: Callable[[int, torch.Tensor, Half, torch.Tensor, torch.Tensor | None], None] | None = None
+    fp8: bool = False
     used: bool = field(default=False, init=False)
 
     def _input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +120,7 @@ class Weave:
         skip = bool(getattr(module, "skip_bias_add", False))
         x3 = self._input(module, x)
         out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
-        with _gemms(module, x3) as gemm:
+        with _gemms(module, x3, self.fp8) as gemm:
             for i, half in enumerate(self.halves):
                 if self.before is not None:
                     self.before(i)
@@ -127,7 +131,8 @@ class Weave:
         weight, bias = module.weight, _bias(module)
         bias = bias if self.add_bias else None
         x3 = self._input(module, x)
-        with contextlib.nullcontext() if self.gemm is not None else _gemms(module, x3) as gemm:
+        with (contextlib.nullcontext() if self.gemm is not None
+              else _gemms(module, x3, self.fp8)) as gemm:
             for i, half in enumerate(self.halves):
                 if self.before is not None:
                     self.before(i)
@@ -146,12 +151,31 @@ _plans: ContextVar[Mapping[torch.nn.Module, Weave] | None] = ContextVar("tokenwe
 
 @contextlib.contextmanager
 def weaving(plans: Mapping[torch.nn.Module, Weave]) -> Iterator[None]:
-    """Inside the scope, each linear in `plans` runs its Weave instead of its stock forward."""
+    """Inside the scope, each linear in `plans` runs its Weave instead of its stock forward.
+    A linear whose forward Megatron's FP8 inference padding wrapped (an instance attribute:
+    fp8_utils.prepare_model_for_fp8_inference, which Megatron's inference wrappers apply to
+    every TE linear of an FP8 model) runs its class's forward here: the weave's rows are
+    already whole FP8 granules, and the wrapper would pad a half's rows (or, with sequence
+    parallelism, all-gather the gathered input again)."""
     token = _plans.set(plans)
+    wrapped = {m: m.__dict__.pop("forward") for m in plans if _padded_for_fp8(m)}
     try:
         yield
     finally:
+        for module, forward in wrapped.items():
+            module.forward = forward
         _plans.reset(token)
+
+
+def _padded_for_fp8(module: torch.nn.Module) -> bool:
+    """Whether Megatron's FP8 inference padding wrapped this module's forward."""
+    if "forward" not in module.__dict__:
+        return False
+    try:
+        from megatron.core.fp8_utils import _fp8_inference_wrapped_modules
+    except ImportError:  # a Megatron without TE has no such wrapper
+        return False
+    return module in _fp8_inference_wrapped_modules
 
 
 class WovenLinearMixin:

@@ -68,7 +68,7 @@ class WovenForward:
 
     def __init__(self, x: torch.Tensor, world: int, rank: int, sequence_parallel: bool,
                  comm: Communicator, plan: Plan, halves: tuple[Half, ...], side: SideStream,
-                 validate: bool) -> None:
+                 validate: bool, fp8: bool = False) -> None:
         self.world, self.rank = world, rank
         self.layout = Layout.SEQUENCE_PARALLEL if sequence_parallel else Layout.REPLICATED
         self.s_local, self.batch, hidden = x.shape
@@ -77,6 +77,7 @@ class WovenForward:
         self.comm, self.plan, self.halves, self.side = comm, plan, halves, side
         self.split = len(halves) > 1
         self.validate = validate
+        self.fp8 = fp8  # the linears run TE's FP8 GEMMs (linears.Weave.fp8)
         # Views: every chunk's normed rows (the GEMMs' input), each half's partial sums (both in
         # the communicator's buffers), this layer's residual in and out.
         self.normed = comm.normed[: self.chunks * n].view(self.chunks, n, hidden)
@@ -168,10 +169,11 @@ class WovenForward:
                   self.plan.comm_ctas_mlp if stage.tokenwise else self.plan.comm_ctas_attn)
         if not stage.tokenwise:
             plans = {
-                stage.column: Weave(self.chunks, self.halves, before=lambda i: inputs[i].wait()),
+                stage.column: Weave(self.chunks, self.halves, before=lambda i: inputs[i].wait(),
+                                    fp8=self.fp8),
                 stage.row: Weave(self.chunks, self.halves, partials=self.partials,
                                  add_bias=self.rank == 0, after=lambda i: self.launch(ops, i),
-                                 gemm=self.row_gemm if self.fused_gemm else None),
+                                 gemm=self.row_gemm if self.fused_gemm else None, fp8=self.fp8),
             }
             with weaving(plans):
                 stage.mixer(self.normed.view(self.chunks * self.s_local, self.batch, -1),
@@ -186,12 +188,12 @@ class WovenForward:
                 continue
             whole = (Half(0, x.shape[1]),)
             plans = {
-                stage.column: Weave(self.chunks, whole),
+                stage.column: Weave(self.chunks, whole, fp8=self.fp8),
                 stage.row: Weave(self.chunks, whole, partials=(self.partials[i],),
                                  add_bias=self.rank == 0,
                                  after=lambda _, i=i: self.launch(ops, i),
                                  gemm=(lambda _, *args, i=i: self.row_gemm(i, *args))
-                                 if self.fused_gemm else None),
+                                 if self.fused_gemm else None, fp8=self.fp8),
             }
             with weaving(plans):
                 stage.mixer(x)

@@ -138,3 +138,14 @@ def test_call_check_plot_draws_from_a_result(tmp_path):
     path = tmp_path / "call_check.png"
     call_check._plot({"gpu": "test", "date": "2026-12-02", "rows": rows}, str(path))
     assert path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["split_cost", "--fp8-recipe", "tensorwise", "--tokens", "1000"],
+     "--tokens must be multiples of 32"),
+    (["block", "--fp8-recipe", "delayed", "--local"], "not with --local"),
+    (["e2e", "--fp8-recipe", "blockwise", "--local"], "not with --local"),
+])
+def test_fp8_benchmark_arguments_are_checked_before_anything_runs(argv, words):
+    done = _run("megatron_tokenweave.bench", *argv)
+    assert done.returncode != 0 and words in done.stderr, done.stderr

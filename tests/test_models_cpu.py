@@ -169,7 +169,8 @@ def test_the_layer_checks_its_structure_once_and_the_experts_padding_every_call(
     checks = []
     stages = (MixerStage("moe", "pre_mlp_layernorm", mlp, None, None),)
     fake = SimpleNamespace(_tp=(2, 0), mlp=mlp, _stages=lambda: stages,
-                           _check_structure=lambda: checks.append(1))  # returns None: fine
+                           _check_structure=lambda: checks.append(1),  # returns None: fine
+                           _fp8_now=lambda: False)
     fake._structure_reason = lambda: Layer._structure_reason(fake)
     x = torch.zeros(3, 1, 16, dtype=torch.bfloat16)
     with torch.no_grad():

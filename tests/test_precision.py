@@ -127,7 +127,7 @@ def test_woven_layer_with_an_fp8_config_gives_the_recipes_reason(single_rank_gro
     reason = layer._check_structure()
     assert reason.startswith(f"FP8 recipe {recipe!r} (e4m3) is not woven here: "
                              "WovenColumnParallelLinear is not a TransformerEngine linear (FP8 "
-                             "GEMMs are TE's; ")
+                             "GEMMs are TE's")
     assert layer._gemm_precision == f"fp8-e4m3-{recipe}"  # the split table's key, from Megatron's
     # config (not the TokenWeaveConfig)
 

@@ -297,6 +297,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.fp8_recipe != "none" and args.local:
+        raise SystemExit("--fp8-recipe runs TE's FP8 GEMMs: not with --local")
     if args.fp8_recipe != "none":
         from megatron_tokenweave.spec import te_available
 

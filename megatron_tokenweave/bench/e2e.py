@@ -315,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.fp8_recipe != "none" and args.local:
+        raise SystemExit("--fp8-recipe runs TE's FP8 GEMMs: not with --local")
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the end-to-end benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]

@@ -170,6 +170,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if any(r != "none" for r in args.fp8_recipe) and any(t % 32 for t in args.tokens):
+        raise SystemExit("FP8 GEMMs take 16-row halves: --tokens must be multiples of 32")
     if not torch.cuda.is_available():
         raise SystemExit("the split-cost benchmark needs a GPU")
     shape = SHAPES[args.model]

@@ -152,11 +152,14 @@ def _count_woven_fp8_gemms() -> list[int]:
 
 def _parity(rank: int, world: int, te: bool = False,
             layouts: tuple[bool, ...] = (False, True), hybrid: bool = False,
-            quant: dict | None = None, shapes: tuple = tuple(SHAPES)) -> list[tuple]:
+            quant: dict | None = None, shapes: tuple = tuple(SHAPES),
+            padded: bool = False) -> list[tuple]:
     """Per layout, mechanism and split (forced, by policy), every shape: the stock and the
     tokenweave model's errors against the fp32 yardstick. GPTModels, or HybridModels of HYBRID
     (replicated layout only); `quant`: FP8 fields of both models' config (the woven FP8 GEMMs
-    are counted then: a case that ran none has a negative count)."""
+    are counted then: a case whose linears did not all run them, two per fused op, has a
+    negative count); `padded`: both models' TE linears wrapped by Megatron's FP8 inference
+    padding, as Megatron's inference wrappers do."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
@@ -173,6 +176,11 @@ def _parity(rank: int, world: int, te: bool = False,
                 tw_kwargs = {"backend": backend, "comm": comm, **split}
                 stock, tw, golden = (_build_hybrid(world, tw_kwargs, te, quant) if hybrid
                                      else _build(world, sp, tw_kwargs, te=te, quant=quant))
+                if padded:
+                    from megatron.core.fp8_utils import prepare_model_for_fp8_inference
+
+                    stock, tw = prepare_model_for_fp8_inference(stock), \
+                        prepare_model_for_fp8_inference(tw)
                 for seq, batch in shapes:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
@@ -193,7 +201,8 @@ def _parity(rank: int, world: int, te: bool = False,
                         out = tw(tokens, pos, attention_mask=None).float()
                     err_stock = ((ref - gold).norm() / gold.norm()).item()
                     err_tw = ((out - gold).norm() / gold.norm()).item()
-                    woven = len(calls) if fp8_gemms is None or fp8_gemms else -len(calls)
+                    woven = (len(calls) if fp8_gemms is None or len(fp8_gemms) >= 2 * len(calls)
+                             else -len(calls))
                     results.append((sp, f"{backend}/{comm}", bool(split), seq, batch,
                                     err_stock, err_tw, woven))
                 del stock, tw, golden
@@ -296,6 +305,30 @@ def test_fp8_hybrid_matches_te_hybrid_stack_ranks_sharing_one_gpu(recipe):
     _check_parity(spawn(_parity, 2, True, (False,), True, quant, FP8_SHAPES,
                         backend="gloo")[0], f"hybrid_stack_spec FP8 {recipe}, 2 ranks on one GPU",
                   min_calls=len(HYBRID))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_under_megatrons_fp8_inference_padding_ranks_sharing_one_gpu(recipe):
+    """Both models' TE linears wrapped by Megatron's FP8 inference padding
+    (`prepare_model_for_fp8_inference`, what its inference wrappers apply to FP8 models), TP 2
+    sharing GPU 0: multiples of 16 rows weave (the weave runs the linears' own forward, its rows
+    already whole granules), other counts (21, 1031) take the stock path, which pads them; every
+    case within the stock FP8 model's error."""
+    _one_gpu_te()
+    quant = {"fp8": "e4m3", "fp8_recipe": recipe}
+    results = spawn(_parity, 2, True, (False,), False, quant, FP8_SHAPES + ((7, 3), (1031, 1)),
+                    True, backend="gloo")[0]
+    assert all(len(r) == 8 for r in results), results
+    for _, backend, split, seq, batch, err_stock, err_tw, woven in results:
+        case = f"{backend} split={split} seq={seq} batch={batch}"
+        assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
+        if seq * batch % 16:
+            assert woven == 0, f"{case}: {woven} fused ops on a count FP8 GEMMs cannot take"
+        else:
+            assert woven >= 4, f"{case}: woven {woven} (negative: without FP8 GEMMs)"
+    print(f"max error vs fp32 (TE FP8 {recipe}, padded): stock {max(r[5] for r in results):.3e}, "
+          f"tokenweave {max(r[6] for r in results):.3e}")
 
 
 def _families(rank: int, world: int) -> list[tuple]:
@@ -567,10 +600,12 @@ def _fp8_checkpoint(rank: int, world: int) -> list[tuple]:
     """Delayed scaling's state through plain state dicts, both ways: the stock TE model after
     three FP8 forwards into a fresh TokenWeave model, then (after two woven forwards) into a
     fresh stock model. Per load: whether every linear's scales and amax history arrived exactly,
-    and both models' next-forward errors against the fp32 yardstick."""
+    the stock and the TokenWeave model's next-forward errors against the fp32 yardstick, and the
+    woven FP8 GEMMs the TokenWeave forwards ran."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
+    fp8_gemms = _count_woven_fp8_gemms()
     quant = {"fp8": "e4m3", "fp8_recipe": "delayed"}
     stock, tw, golden = _build(world, False, {"split_threshold": 0}, te=True, quant=quant)
     gen = torch.Generator().manual_seed(7)
@@ -589,7 +624,9 @@ def _fp8_checkpoint(rank: int, world: int) -> list[tuple]:
         tw.load_state_dict(stock.state_dict(), strict=True)
         same = all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in
                    zip(_delayed_state(stock).values(), _delayed_state(tw).values(), strict=True))
-        results.append(("stock->tokenweave", same, *errors(stock, tw, batches[3])))
+        fp8_gemms.clear()
+        results.append(("stock->tokenweave", same, *errors(stock, tw, batches[3]),
+                        len(fp8_gemms)))
         for tokens in batches[:2]:
             tw(tokens, pos, attention_mask=None)
         back, _, _ = _build(world, False, {}, te=True, quant=quant)
@@ -597,7 +634,9 @@ def _fp8_checkpoint(rank: int, world: int) -> list[tuple]:
         back.load_state_dict({k: v for k, v in mapped.items() if k is not None}, strict=True)
         same = all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in
                    zip(_delayed_state(tw).values(), _delayed_state(back).values(), strict=True))
-        results.append(("tokenweave->stock", same, *errors(back, tw, batches[3])))
+        fp8_gemms.clear()
+        results.append(("tokenweave->stock", same, *errors(back, tw, batches[3]),
+                        len(fp8_gemms)))
     return results
 
 
@@ -605,10 +644,12 @@ def _fp8_checkpoint(rank: int, world: int) -> list[tuple]:
 def test_fp8_delayed_scaling_state_loads_both_ways_ranks_sharing_one_gpu():
     """TE's extra state (delayed scaling's scales and amax histories) of the woven FP8 linears is
     the stock spec's: saved by either model, it loads strictly into the other and arrives bit for
-    bit, and the loaded model's next forward is within the stock FP8 model's own error against
-    fp32 (x1.25 + 1e-3). 2 ranks sharing GPU 0."""
+    bit; from the same state the TokenWeave model's next forward (woven, FP8 GEMMs counted) is
+    within the stock model's error against fp32 (x1.25 + 1e-3). 2 ranks sharing GPU 0."""
     _one_gpu_te()
-    for direction, same, err_stock, err_tw in spawn(_fp8_checkpoint, 2, backend="gloo")[0]:
+    for direction, same, err_stock, err_tw, gemms in spawn(_fp8_checkpoint, 2,
+                                                           backend="gloo")[0]:
         assert same, f"{direction}: the delayed-scaling state changed in the load"
+        assert gemms >= 8, f"{direction}: the woven forward ran {gemms} FP8 GEMMs"
         assert err_tw <= 1.25 * err_stock + 1e-3, (direction, err_tw, err_stock)
         print(f"{direction}: error vs fp32 stock {err_stock:.3e}, tokenweave {err_tw:.3e}")
