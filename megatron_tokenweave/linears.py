@@ -52,7 +52,7 @@ def _gemms(module: torch.nn.Module, x: torch.Tensor, fp8: bool) -> Iterator[Chun
     rows of a half are contiguous, as TE's GEMM wants them) where the layer runs this call in
     FP8 (`fp8`: a TE linear inside an enabled FP8 autocast), else one strided-batched GEMM in
     the activations' dtype."""
-    if fp8 and fp8_gemm.is_te(module):
+    if fp8:
         # One row is what TE's forward preparation reads (device, dtype); a whole non-contiguous
         # input would be copied there.
         with fp8_gemm.gemms(module, x[0, :1]) as gemm:
@@ -169,13 +169,13 @@ def weaving(plans: Mapping[torch.nn.Module, Weave]) -> Iterator[None]:
 
 def _padded_for_fp8(module: torch.nn.Module) -> bool:
     """Whether Megatron's FP8 inference padding wrapped this module's forward."""
-    if "forward" not in module.__dict__:
-        return False
-    try:
-        from megatron.core.fp8_utils import _fp8_inference_wrapped_modules
-    except ImportError:  # a Megatron without TE has no such wrapper
-        return False
-    return module in _fp8_inference_wrapped_modules
+    return "forward" in module.__dict__ and module in _FP8_PADDED
+
+
+try:  # the modules Megatron's FP8 inference padding wrapped (a weak set; none without TE)
+    from megatron.core.fp8_utils import _fp8_inference_wrapped_modules as _FP8_PADDED
+except ImportError:
+    _FP8_PADDED = ()
 
 
 class WovenLinearMixin:

@@ -43,6 +43,19 @@ def fp8_fields(recipe: str) -> dict[str, str]:
     return {"fp8": "e4m3", "fp8_recipe": recipe}
 
 
+def bench_precision(recipe: str) -> str:
+    """What a benchmark row calls the GEMMs' precision for its --fp8-recipe: "bf16" (the
+    benchmarks' activations) or gemm_precision's name of the recipe's fields."""
+    return "bf16" if recipe == "none" else gemm_precision(_Fields(fp8_fields(recipe)))
+
+
+class _Fields:
+    """Config fields as attributes (what gemm_precision reads)."""
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        self.__dict__.update(fields)
+
+
 def _value(field: Any) -> str | None:
     """An enum member's value or a plain string (Megatron takes either), None when unset."""
     if field is None or field is False:

@@ -133,12 +133,13 @@ def test_woven_layer_with_an_fp8_config_gives_the_recipes_reason(single_rank_gro
 
 
 def test_benchmark_fp8_fields_name_a_woven_recipe():
-    from megatron_tokenweave.precision import fp8_fields
+    from megatron_tokenweave.precision import bench_precision, fp8_fields
 
-    assert fp8_fields("none") == {}
+    assert fp8_fields("none") == {} and bench_precision("none") == "bf16"
     for recipe in WOVEN_FP8_RECIPES:
         fields = fp8_fields(recipe)
         assert fields == {"fp8": "e4m3", "fp8_recipe": recipe}
         assert gemm_precision(_Config(**fields)) == f"fp8-e4m3-{recipe}"
+        assert bench_precision(recipe) == f"fp8-e4m3-{recipe}"
     with pytest.raises(ValueError, match="'mxfp8'"):
         fp8_fields("mxfp8")

@@ -51,7 +51,7 @@ from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
-from megatron_tokenweave.precision import NATIVE, WOVEN_FP8_RECIPES, fp8_fields, gemm_precision
+from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision, fp8_fields
 
 # name: (sequence parallel, TokenWeaveConfig overrides)
 VARIANTS = {
@@ -142,8 +142,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         common = dict(bf16=True, params_dtype=torch.bfloat16, moe_dispatch=args.moe_dispatch,
                       **fp8_fields(args.fp8_recipe))
         cfg = llama_config(shape, args.layers, world, **common)
-        precision = gemm_precision(cfg)  # the GEMMs' precision: "native" is bf16 here
-        precision = "bf16" if precision == NATIVE else precision
+        precision = bench_precision(args.fp8_recipe)
         cfg_sp = llama_config(shape, args.layers, world, sequence_parallel=True, **common)
         attn = (lambda spec: spec) if use_te else with_sdpa
         blocks = {stock_name: TransformerBlock(cfg, attn(stock_spec))}

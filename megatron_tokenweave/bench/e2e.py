@@ -42,7 +42,7 @@ from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, fp8_fields
+from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision, fp8_fields
 
 
 def _wall(fn: Callable[[], object]) -> float:
@@ -128,7 +128,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     if "throughput" in args.metrics:
         rows += _throughput_rows(models, stock_name, shape, tokenizer, tw_config, te, max_seq,
                                  args, say)
-    precision = "bf16" if args.fp8_recipe == "none" else f"fp8-e4m3-{args.fp8_recipe}"
+    precision = bench_precision(args.fp8_recipe)
     for row in rows:
         row.update(model=args.model, layers=args.layers, tp=world, precision=precision)
     return rows

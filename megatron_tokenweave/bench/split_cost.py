@@ -27,6 +27,7 @@ from megatron_tokenweave.bench import add_model_argument, add_sweep_arguments, c
 from megatron_tokenweave.bench.report import grouped_bars, write_result
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES, Shape
+from megatron_tokenweave.precision import bench_precision
 
 
 def layer_gemms(shape: Shape, tp: int) -> dict[str, tuple[int, int]]:
@@ -99,8 +100,8 @@ def measure(shape: Shape, tp: int, tokens: int, iters: int, fp8_recipe: str = "n
     rows = []
     for n in (*gemms, "layer"):
         whole, halves = us[(n, False, kind)], us[(n, True, kind)]
-        row = dict(tokens=tokens, gemm=n, precision="bf16" if kind == "bf16"
-                   else f"fp8-e4m3-{fp8_recipe}", whole_us=round(whole, 2),
+        row = dict(tokens=tokens, gemm=n, precision=bench_precision(fp8_recipe),
+                   whole_us=round(whole, 2),
                    halves_us=round(halves, 2), whole_over_halves=round(whole / halves, 4))
         if kind == "fp8":
             row["bf16_whole_us"] = round(us[(n, False, "bf16")], 2)
