@@ -5,12 +5,13 @@
 // every rank agreed on when it was created; Python holds it as an integer handle (comm_create /
 // comm_destroy). The ops take that handle, the tensors and a few scalars:
 //   fused_allreduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
-//                           ctas, path, tag)
+//                           ctas, path, tag, normed_scales!, scaling)
 //   gemm_reduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
 //                       ctas, segments, tag)
 // `tag` is the call's tag (signal.cuh: every rank passes the same for the same call; a peer on
 // another call is an error, never a combination of two calls' rows); `segments` the GEMM-fused
-// call's geometry as one list (SegmentGeometry). partial is mutated too: the two-shot and
+// call's geometry as one list (SegmentGeometry); `normed_scales` / `scaling` describe FP8 normed
+// rows (fp8_rows_of; both empty for rows in the activations' dtype). partial is mutated too: the two-shot and
 // GEMM-fused replicated paths write y back into it.
 // Nothing here reads the environment: a setting that changes the protocol must be the same on
 // every rank, so it is agreed once, in Python, and stored in the Communicator.
@@ -135,10 +136,52 @@ void check_in_buffer(const at::Tensor& t, const char* name, const Communicator& 
 
 // The layout follows from partial's chunks: `world` (sequence parallel: chunk r is reduced onto
 // rank r) or 1 (replicated).
+// FP8 normed rows (normed_out of dtype float8_e4m3fn, replicated layout): `scaling` [1] with
+// `scales` [scale, amax, scale_inv] (one known scale), or [2, amax_eps, pow2] with `scales`
+// [scale_inv of [hidden / 128, round_up(rows, 4)]] (1 x 128 blocks); fp32 tensors on the device.
+Fp8Rows fp8_rows_of(const at::Tensor& partial, int64_t rows, int64_t hidden,
+                    at::TensorList scales, at::ArrayRef<double> scaling) {
+  Fp8Rows f{};
+  TORCH_CHECK(!scaling.empty() && (scaling[0] == kFp8TensorScale || scaling[0] == kFp8Blocks),
+              "tokenweave: FP8 normed rows need their scaling: [1] (one known scale) or "
+              "[2, amax_eps, pow2] (1 x 128 blocks)");
+  f.mode = static_cast<int>(scaling[0]);
+  const size_t want = f.mode == kFp8TensorScale ? 3 : 1;
+  TORCH_CHECK(scales.size() == want && scaling.size() == (f.mode == kFp8TensorScale ? 1u : 3u),
+              "tokenweave: FP8 scaling mode ", f.mode, " takes ", want, " scale tensors");
+  for (const at::Tensor& t : scales)
+    TORCH_CHECK(t.device() == partial.device() && t.scalar_type() == at::kFloat &&
+                    t.is_contiguous(),
+                "tokenweave: FP8 scales must be contiguous fp32 tensors on partial's device");
+  if (f.mode == kFp8TensorScale) {
+    for (const at::Tensor& t : scales)
+      TORCH_CHECK(t.numel() == 1, "tokenweave: a tensor scale, its amax and its scale_inv are "
+                  "one element each");
+    f.scale = scales[0].data_ptr<float>();
+    f.amax = scales[1].data_ptr<float>();
+    f.scale_inv = scales[2].data_ptr<float>();
+    return f;
+  }
+  const int64_t stride = (rows + 3) / 4 * 4;
+  TORCH_CHECK(hidden % kFp8BlockCols == 0, "tokenweave: 1 x 128 block scales need hidden a "
+              "multiple of 128, got ", hidden);
+  TORCH_CHECK(scales[0].dim() == 2 && scales[0].size(0) == hidden / kFp8BlockCols &&
+                  scales[0].size(1) == stride,
+              "tokenweave: block scale_inv must be [hidden / 128, round_up(rows, 4)] = [",
+              hidden / kFp8BlockCols, ", ", stride, "]");
+  f.scale_inv = scales[0].data_ptr<float>();
+  f.stride = static_cast<int>(stride);
+  f.amax_eps = static_cast<float>(scaling[1]);
+  f.pow2 = scaling[2] != 0 ? 1 : 0;
+  f.inf_scale = partial.scalar_type() == at::kBFloat16 ? 3.38953139e38f : 65504.f;
+  return f;
+}
+
 FusedParams make_params(const Communicator& c, const at::Tensor& partial,
                         const at::Tensor& residual, const std::optional<at::Tensor>& weight,
                         double eps, at::Tensor& residual_out,
-                        const std::optional<at::Tensor>& normed_out, int64_t ctas, int64_t tag) {
+                        const std::optional<at::Tensor>& normed_out, int64_t ctas, int64_t tag,
+                        at::TensorList scales = {}, at::ArrayRef<double> scaling = {}) {
   TORCH_CHECK(tag > 0 && tag <= 0xFFFFFFFFll, "tokenweave: the call tag must be in 1..2^32-1, "
               "got ", tag);
   TORCH_CHECK(partial.is_cuda() && partial.dim() == 3 && partial.is_contiguous(),
@@ -190,10 +233,21 @@ FusedParams make_params(const Communicator& c, const at::Tensor& partial,
                 "its device");
     check_aligned(w, "weight");
     check_aligned(no, "normed_out");
-    TORCH_CHECK(no.device() == partial.device() && no.scalar_type() == dt && no.dim() == 3 &&
+    const bool fp8 = no.scalar_type() == at::kFloat8_e4m3fn;
+    TORCH_CHECK(fp8 || (scales.empty() && scaling.empty()),
+                "tokenweave: FP8 scales given for normed rows of ", no.scalar_type());
+    if (fp8) {
+      TORCH_CHECK(!sequence_parallel && c.multicast_base == 0,
+                  "tokenweave: FP8 normed rows take the replicated layout (not sequence "
+                  "parallel, not multimem)");
+      p.fp8 = fp8_rows_of(partial, rows, hidden, scales, scaling);
+    }
+    TORCH_CHECK(no.device() == partial.device() && (fp8 || no.scalar_type() == dt) &&
+                    no.dim() == 3 &&
                     no.size(0) == chunks && no.size(1) == rows && no.size(2) == hidden &&
                     no.stride(2) == 1 && (rows <= 1 || no.stride(1) == hidden),
-                "tokenweave: normed_out must be [chunks, rows, hidden] with dense rows");
+                "tokenweave: normed_out must be [chunks, rows, hidden] of partial's dtype (or "
+                "float8_e4m3fn) with dense rows");
     p.weight = w.data_ptr();
     if (sequence_parallel) {
       TORCH_CHECK(chunks == 1 || no.stride(0) >= 0, "tokenweave: negative normed_out stride");
@@ -640,12 +694,13 @@ void comm_copy_errors(int64_t handle, at::Tensor& host) {
 void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                              const std::optional<at::Tensor>& weight, double eps,
                              at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                             int64_t ctas, int64_t path, int64_t tag) {
+                             int64_t ctas, int64_t path, int64_t tag, at::TensorList normed_scales,
+                             at::ArrayRef<double> scaling) {
   const Communicator& c = comm_of(handle);
   TORCH_CHECK(path >= kPathSm && path <= kPathCopyEngineReduce, "tokenweave: path must be 0 "
               "(SM), 1 (copy engine), 2 (its transfer) or 3 (its reduction), got ", path);
-  const FusedParams p =
-      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas, tag);
+  const FusedParams p = make_params(c, partial, residual, weight, eps, residual_out, normed_out,
+                                    ctas, tag, normed_scales, scaling);
   on_stream(partial, p, [&](auto t, cudaStream_t stream) {
     using T = decltype(t);
     if (path == kPathSm)
@@ -690,7 +745,7 @@ TORCH_LIBRARY(tokenweave, m) {
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
       "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int path, "
-      "int tag) -> ()");
+      "int tag, Tensor(d!)[] normed_scales, float[] scaling) -> ()");
   m.def(
       "gemm_reduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
       "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int[] segments, "

@@ -34,6 +34,7 @@ from megatron_tokenweave.config import ENV_PREFIX, TokenWeaveConfig
 from megatron_tokenweave.kernels.comm import KernelSettings
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
+from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, Fp8Rows, scale_stride
 from megatron_tokenweave.ops.gemm_emulation import reduce_owned, store_to_owners
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.segments import SETS, Segments, slot_rows
@@ -255,6 +256,7 @@ class Communicator:
         self.kernel = None
         self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
         self._inbox = None  # prepare_gemm(): kernels.GemmInbox, or the emulation's slots
+        self._fp8_rows = None  # prepare_fp8_rows(): (e4m3 rows, each half's scales)
         self._errors = None  # pinned int32 [ERROR_WORDS], copied by record_errors()
         if self.backend == "kernel":
             from megatron_tokenweave import kernels
@@ -286,7 +288,10 @@ class Communicator:
         residual / residual_out: [n, H] this rank's rows (residual_out may alias residual).
         weight: [H] norm weight, or None to add only (then normed_out is None).
         normed_out: [C, n, H] with dense rows and any chunk stride: the normed rows of every
-            chunk, on every rank. On the kernel backend it must lie in `self.normed`.
+            chunk, on every rank. On the kernel backend it must lie in `self.normed`. Or, in
+            the replicated layout, FP8 rows (ops.fp8_rows.Fp8Rows: any device memory), the
+            normed rows quantized as the next linear's FP8 quantizer would (not with
+            comm="gemm").
         ctas: CTAs the kernel may use (the other backends ignore it).
         comm: "fused" (the backend's own mechanism), "copy_engine" (the kernel's copy-engine
             data path: prepare_copy_engine() first; on other backends the same as "fused"), or
@@ -308,6 +313,9 @@ class Communicator:
         if phase == "transfer" and not copy_engine:
             return
         if comm == "gemm":
+            if isinstance(normed_out, Fp8Rows):
+                raise TokenWeaveInputError("the GEMM-fused consumer writes normed rows in the "
+                                           "activations' dtype, not FP8 rows")
             self._reduce_owned(partial, residual, weight, eps, residual_out, normed_out, layout,
                                segments, set_index, ctas, call, validate)
             return
@@ -343,6 +351,27 @@ class Communicator:
         self._mirror = kernels.CopyEngineMirror(
             self.symmetric, self.partial.numel() * self.partial.element_size())
         self.kernel.attach_mirror(self._mirror)
+
+    # -- FP8 normed rows ----------------------------------------------------------------------
+    def prepare_fp8_rows(self) -> bool:
+        """Allocate the FP8 normed-rows workspace (ops.fp8_rows: max_tokens x hidden e4m3 and
+        each half's scales), local memory, once; the layers then share it as they share
+        `normed`. Never during a CUDA graph capture (its memory would belong to the graph's
+        pool): returns whether the workspace exists."""
+        if self._fp8_rows is None and not (self.device.type == "cuda"
+                                           and torch.cuda.is_current_stream_capturing()):
+            scales = -(-self.hidden // BLOCK_COLS) * scale_stride(self.max_tokens)
+            self._fp8_rows = (
+                torch.empty(self.max_tokens, self.hidden, dtype=FP8_DTYPE, device=self.device),
+                torch.empty(SETS, scales, dtype=torch.float32, device=self.device))
+        return self._fp8_rows is not None
+
+    def fp8_rows(self, set_index: int, offset: int, rows: int) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+        """Half `set_index`'s FP8 normed rows [1, rows, hidden] from row `offset` of the
+        workspace (prepare_fp8_rows first), and the flat fp32 region for their scales."""
+        data, scales = self._fp8_rows
+        return data[offset: offset + rows].view(1, rows, self.hidden), scales[set_index]
 
     # -- the GEMM-fused mechanism -------------------------------------------------------------
     def prepare_gemm(self) -> None:

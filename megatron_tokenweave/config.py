@@ -75,6 +75,9 @@ class TokenWeaveConfig:
         communicator then holds an inbox of about max_tokens x hidden per rank; on backends
         without the kernels the same data movement runs on collectives).
     defer_across_layers: let half B's post-MLP op overlap the next layer's attention.
+    fp8_rows: in FP8 (TE's delayed or blockwise recipe, replicated layout) the fused op writes
+        the next linear's input already quantized (ops.fp8_rows), so that linear quantizes
+        nothing; off: the op writes bf16 rows and TE's quantizer runs before the GEMM.
     tuning_table: "auto" (a table measured by `python -m megatron_tokenweave.tune` for this GPU,
         TP size, hidden size and dtype, from the cache or the shipped ones, fills the table fields
         per token count), "none" (use the fields above), or a table's path.
@@ -98,6 +101,7 @@ class TokenWeaveConfig:
     backend: Backend = "auto"
     comm: Comm = _DefaultStr("fused")
     defer_across_layers: bool = True
+    fp8_rows: bool = True
     tuning_table: str = "auto"
     explicit: frozenset[str] = field(init=False)
 
@@ -112,9 +116,9 @@ class TokenWeaveConfig:
                     (low is None or low <= value) and (high is None or value <= high)):
                 bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
                 raise ValueError(f"{name} must be an int in {bounds}, got {value!r}")
-        if not isinstance(self.defer_across_layers, bool):
-            raise ValueError(
-                f"defer_across_layers must be a bool, got {self.defer_across_layers!r}")
+        for name in ("defer_across_layers", "fp8_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         if self.comm not in COMMS:

@@ -22,6 +22,11 @@ amax and scale (each chunk's half with sequence parallelism, one GEMM per chunk)
 stock-identical scale would need the other half's rows before the first half's GEMM, the wait
 the schedule exists to avoid, and a scale over fewer rows is never coarser than one over all of
 them. The input is already gathered here, so no amax is reduced across ranks.
+
+Where the fused op before a column linear writes that linear's input already quantized
+(ops.fp8_rows: delayed and blockwise scaling, replicated layout), the GEMM takes it as TE's
+quantized storage (`written_input`) and nothing is quantized again: the same FP8 data and, for
+delayed scaling, the same amax as the quantizer would have produced from the bf16 rows.
 """
 
 from __future__ import annotations
@@ -32,8 +37,11 @@ from typing import Any
 
 import torch
 
-# (x [rows, in], out [rows, out] contiguous, bias [out] or None): out = x @ W^T (+ bias)
-Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
+from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, Fp8Rows, scale_stride
+
+# (x [rows, in] or an input already quantized (written_input), out [rows, out] contiguous,
+# bias [out] or None): out = x @ W^T (+ bias)
+Gemm = Callable[[Any, torch.Tensor, "torch.Tensor | None"], None]
 
 # Rows of every woven FP8 GEMM input (per chunk and half): TE's FP8 GEMMs take multiples of 8;
 # 16 is the granule Megatron's FP8 inference padding (fp8_utils.prepare_model_for_fp8_inference)
@@ -41,14 +49,25 @@ Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
 FP8_ROWS = 16
 
 try:
-    from transformer_engine.pytorch.cpp_extensions import general_gemm
+    from transformer_engine.pytorch.cpp_extensions import general_gemm  # noqa: I001
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
     from transformer_engine.pytorch.module.base import (
         TransformerEngineBaseModule,
         quantize_weight,
     )
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
+        Float8TensorStorage,
+    )
 
+    import transformer_engine_torch as tex  # after TE's Python package, which loads its library
+
+    _INPUT = int(tex.FP8FwdTensors.GEMM1_INPUT)
     _MISSING: str | None = None
 except Exception as exc:  # noqa: BLE001 - no TE, or a TE without these pieces
     TransformerEngineBaseModule = None  # type: ignore[assignment,misc]
@@ -140,14 +159,68 @@ def _weight(module: Any, quantizer: Any) -> Any:
     return weightmat
 
 
+def fused_quantizer(module: torch.nn.Module) -> Any | None:
+    """The module's input quantizer where the fused op before it can write that input in FP8
+    (ops.fp8_rows) now: a TE linear whose FP8 state is set up for the enabled autocast's recipe
+    (its forward preparation then keeps the quantizer: TE re-initializes only on another
+    recipe), quantizing to e4m3 with one known scale (delayed scaling) or 1 x 128 blocks
+    (blockwise scaling's activations). None otherwise (current scaling: its scale needs the
+    whole call's amax first; or state not yet made, as before a module's first FP8 forward)."""
+    if not is_te(module) or not getattr(module, "fp8_initialized", False):
+        return None
+    recipe, own = FP8GlobalStateManager.get_fp8_recipe(), module.fp8_meta.get("recipe")
+    if own is not recipe and own != recipe:
+        return None
+    quantizers = getattr(module, "quantizers", {}).get("scaling_fwd")
+    if not quantizers:
+        return None
+    q = quantizers[_INPUT]
+    if q.dtype != tex.DType.kFloat8E4M3:
+        return None
+    if type(q) is Float8Quantizer or (type(q) is Float8BlockQuantizer
+                                      and q.block_scaling_dim == 1):
+        return q
+    return None
+
+
+def written_input(quantizer: Any, data: torch.Tensor, scales: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[Fp8Rows, Any]:
+    """Where the fused op writes a linear's FP8 input for `quantizer` (fused_quantizer's), and
+    that input as TE's quantized storage for the GEMM: e4m3 rows `data` [1, rows, H], their
+    scales in the flat fp32 region `scales`; `dtype` the activations' (the storage's nominal
+    dtype)."""
+    rows, hidden = data.shape[1], data.shape[2]
+    if type(quantizer) is Float8Quantizer:
+        scale_inv = scales[:1]
+        fp8 = Fp8Rows.tensor_scaled(data, quantizer.scale, quantizer.amax, scale_inv)
+        storage = Float8TensorStorage(data=data[0].view(torch.uint8), fp8_scale_inv=scale_inv,
+                                      fp8_dtype=tex.DType.kFloat8E4M3, quantizer=quantizer,
+                                      fake_dtype=dtype)
+        return fp8, storage
+    shape = (hidden // BLOCK_COLS, scale_stride(rows))
+    scale_inv = scales[:shape[0] * shape[1]].view(shape)
+    fp8 = Fp8Rows.blockwise(data, scale_inv, amax_eps=quantizer.amax_epsilon,
+                            pow2=quantizer.force_pow_2_scales)
+    storage = Float8BlockwiseQTensorStorage(
+        rowwise_data=data[0].view(torch.uint8), rowwise_scale_inv=scale_inv,
+        columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=tex.DType.kFloat8E4M3,
+        quantizer=quantizer, is_2D_scaled=False, fake_dtype=dtype)
+    return fp8, storage
+
+
 @contextlib.contextmanager
-def gemms(module: Any, x: torch.Tensor) -> Iterator[Gemm]:
-    """Inside the scope, the module's FP8 GEMM on any rows of its input x (`Gemm`)."""
+def gemms(module: Any, x: torch.Tensor, written_for: Any | None = None) -> Iterator[Gemm]:
+    """Inside the scope, the module's FP8 GEMM on any rows of its input x (`Gemm`), or on an
+    input the fused op wrote already quantized (written_input's storage) for `written_for`, the
+    quantizer it was written for, which must be the module's (fused_quantizer's promise)."""
     with _prepared(module, x):
         if not module.fp8:
             raise RuntimeError(f"TokenWeave: {type(module).__name__} is not in FP8 inside an "
                                "enabled FP8 autocast")
         input_q, weight_q, *_ = module._get_quantizers(False, False, False)
+        if written_for is not None and written_for is not input_q:
+            raise RuntimeError(f"TokenWeave: {type(module).__name__}'s input quantizer changed "
+                               "between the fused op that wrote its FP8 input and its GEMM")
         set_quantizer_amax_reduction_group(input_q, None)
         input_q.set_usage(rowwise=True, columnwise=False)
         weight = _weight(module, weight_q)
@@ -155,11 +228,13 @@ def gemms(module: Any, x: torch.Tensor) -> Iterator[Gemm]:
         fprop = getattr(recipe, "fp8_gemm_fprop", None)
         split_acc = bool(getattr(fprop, "use_split_accumulator", False))
 
-        def gemm(rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
-            if rows.shape[0] % FP8_ROWS:
-                raise ValueError(f"TokenWeave: FP8 GEMMs take multiples of {FP8_ROWS} rows, "
-                                 f"got {rows.shape[0]}")
-            general_gemm(weight, input_q(rows), out_dtype=out.dtype, bias=bias,
+        def gemm(rows: Any, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+            if isinstance(rows, torch.Tensor):
+                if rows.shape[0] % FP8_ROWS:
+                    raise ValueError(f"TokenWeave: FP8 GEMMs take multiples of {FP8_ROWS} "
+                                     f"rows, got {rows.shape[0]}")
+                rows = input_q(rows)
+            general_gemm(weight, rows, out_dtype=out.dtype, bias=bias,
                          use_split_accumulator=split_acc, out=out)
 
         yield gemm

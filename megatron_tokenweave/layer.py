@@ -284,15 +284,19 @@ class WovenLayer:
         step = WovenForward(x, world, rank, sp, comm, plan, halves,
                             self._chain.side_stream(x.device), validate=not self._validated,
                             fp8=fp8)
-        inputs = step.inputs(handoff, self.first_norm(), group, x)
+        inputs, written = step.inputs(handoff, self.first_norm(), group, x, stages[0].column)
         residual = step.residual_in
         for k, stage in enumerate(stages):
-            following = (getattr(self, stages[k + 1].norm_name) if k + 1 < len(stages)
-                         else None if last else successor.first_norm())
+            after = (stages[k + 1] if k + 1 < len(stages)
+                     else None if last else successor._stages()[0])
+            following = None if after is None else (
+                getattr(self, after.norm_name) if k + 1 < len(stages) else successor.first_norm())
             next_norm = None if following is None else norm_weight_eps_in(following, x.dtype)
             ops = step.stage(stage, inputs, residual, next_norm, stage.mixer_kwargs(layer_kwargs),
-                             site=self.layer_number * 2 + k)
-            inputs, residual = ops.ops, step.residual_out
+                             site=self.layer_number * 2 + k, written=written,
+                             target=step.fp8_target(after.column) if cfg.fp8_rows and after
+                             else None)
+            inputs, residual, written = ops.ops, step.residual_out, ops.written_input()
         defer = not last and cfg.defer_across_layers and not self._layer_graphs()
         handed = step.hand_off(ops, defer)
         if last:  # queued after every op of the block, captured into graphs with it

@@ -47,17 +47,22 @@ ChunkGemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
 
 
 @contextlib.contextmanager
-def _gemms(module: torch.nn.Module, x: torch.Tensor, fp8: bool) -> Iterator[ChunkGemm]:
+def _gemms(module: torch.nn.Module, x: torch.Tensor, fp8: bool,
+           written: WrittenInput | None = None) -> Iterator[ChunkGemm]:
     """The module's GEMM for one woven call on input x: TE's FP8 GEMM per chunk (each chunk's
     rows of a half are contiguous, as TE's GEMM wants them) where the layer runs this call in
     FP8 (`fp8`: a TE linear inside an enabled FP8 autocast), else one strided-batched GEMM in
-    the activations' dtype."""
+    the activations' dtype. `written`: the input the fused op wrote in FP8 (its halves are then
+    handed to the GEMM in place of x's rows)."""
     if fp8:
         # One row is what TE's forward preparation reads (device, dtype); a whole non-contiguous
         # input would be copied there.
-        with fp8_gemm.gemms(module, x[0, :1]) as gemm:
-            def per_chunk(x3: torch.Tensor, out3: torch.Tensor,
-                          bias: torch.Tensor | None) -> None:
+        with fp8_gemm.gemms(module, x[0, :1],
+                            written.quantizer if written is not None else None) as gemm:
+            def per_chunk(x3: Any, out3: torch.Tensor, bias: torch.Tensor | None) -> None:
+                if not isinstance(x3, torch.Tensor):  # written in FP8: one chunk (replicated)
+                    gemm(x3, out3[0], bias)
+                    return
                 for c in range(x3.shape[0]):
                     gemm(x3[c], out3[c], bias)
 
@@ -70,6 +75,15 @@ def _gemms(module: torch.nn.Module, x: torch.Tensor, fp8: bool) -> Iterator[Chun
             out3.add_(bias)
 
     yield native
+
+
+@dataclass(frozen=True)
+class WrittenInput:
+    """A column linear's input the fused ops before it wrote in FP8 (fp8_gemm.written_input):
+    the quantizer it was written for and, per half, TE's quantized storage of its rows."""
+
+    quantizer: Any
+    halves: tuple[Any, ...]
 
 
 @dataclass
@@ -86,6 +100,8 @@ class Weave:
         instead of writing `partials` (bias: the one to add, or None).
     fp8: the call's GEMMs are TE's FP8 ones (the layer decides: fp8_gemm.active() on TE
         linears, the rows whole 16-row granules).
+    written: column-parallel only: the input the fused ops wrote in FP8 for this linear (its
+        GEMMs take those halves; nothing is quantized again), or None.
 
     A weave runs once, on exactly the rows its halves cover: a mixer that called its linear
     twice in one stage, or on other rows, would have its halves launched on the wrong data, so
@@ -100,6 +116,7 @@ class Weave:
     add_bias: bool = False
     gemm: Callable[[int, torch.Tensor, Half, torch.Tensor, torch.Tensor | None], None] | None = None
     fp8: bool = False
+    written: WrittenInput | None = None
     used: bool = field(default=False, init=False)
 
     def _input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +137,12 @@ class Weave:
         skip = bool(getattr(module, "skip_bias_add", False))
         x3 = self._input(module, x)
         out = x3.new_empty(self.chunks, x3.shape[1], weight.shape[0])
-        with _gemms(module, x3, self.fp8) as gemm:
+        with _gemms(module, x3, self.fp8, self.written) as gemm:
             for i, half in enumerate(self.halves):
                 if self.before is not None:
                     self.before(i)
-                gemm(half.of(x3), half.of(out), None if skip else bias)
+                rows = half.of(x3) if self.written is None else self.written.halves[i]
+                gemm(rows, half.of(out), None if skip else bias)
         return out.view(*x.shape[:-1], weight.shape[0]), (bias if skip else None)
 
     def row(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, None]:

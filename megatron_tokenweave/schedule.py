@@ -8,6 +8,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,12 +125,15 @@ class Pending:
 @dataclass
 class Handoff:
     """What a layer leaves its successor: the residual it returned, the successor's normed input
-    ([chunks, rows, H], written on the side stream) and, per half, the op still writing them."""
+    ([chunks, rows, H], written on the side stream) and, per half, the op still writing them;
+    `written`: that input as the ops wrote it in FP8 for the successor's first linear
+    (linears.WrittenInput; the bf16 rows are then not written), or None."""
 
     residual: torch.Tensor
     normed: torch.Tensor
     halves: tuple[Half, ...]
     pending: tuple[Pending, ...]
+    written: Any = None
 
     def wait(self) -> None:
         """The current stream waits until the hand-off's residual and normed rows are written."""

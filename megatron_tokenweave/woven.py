@@ -29,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_tokenweave import moe
+from megatron_tokenweave import fp8_gemm, moe
 from megatron_tokenweave.communicator import Communicator
-from megatron_tokenweave.linears import Weave, weaving
+from megatron_tokenweave.linears import Weave, WrittenInput, weaving
+from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.segments import Segments, half_segments
 from megatron_tokenweave.ops.validate import Layout, phases_apply
 from megatron_tokenweave.policy import Plan
@@ -45,12 +46,19 @@ Norm = tuple[torch.Tensor, float]  # (weight, eps) of an RMSNorm the fused op ap
 class Ops:
     """The fused ops after one stage's row-parallel linear: the residual rows they add, the
     norm they apply (None: add only), their CTAs beside the other half, and each half's
-    pending op."""
+    pending op. `target`: the input quantizer of the linear after them where they write its
+    input in FP8 (fp8_gemm.fused_quantizer), with `written` each half's quantized storage."""
 
     residual: torch.Tensor
     norm: Norm | None
     ctas: int
     ops: list[Pending] = field(default_factory=list)
+    target: Any | None = None
+    written: list[Any] = field(default_factory=list)
+
+    def written_input(self) -> WrittenInput | None:
+        """What the next stage's column linear takes in place of bf16 rows (None: bf16)."""
+        return None if self.target is None else WrittenInput(self.target, tuple(self.written))
 
 
 def gemm_ctas(comm: Communicator, plan: Plan, split: bool) -> int:
@@ -103,13 +111,19 @@ class WovenForward:
     def launch(self, ops: Ops, i: int) -> None:
         """Half i's fused op: on the main stream when unsplit, else on the side stream; the
         copy-engine op there only moves the rows, its reduction waits for the consumer."""
-        rows = slice(self.halves[i].offset, self.halves[i].offset + self.halves[i].rows)
+        half = self.halves[i]
+        rows = slice(half.offset, half.offset + half.rows)
         weight, eps = ops.norm if ops.norm is not None else (None, 0.0)
+        normed = half.of(self.normed) if weight is not None else None
+        if ops.target is not None and weight is not None:  # the next linear's FP8 input
+            data, scales = self.comm.fp8_rows(i, half.offset, half.rows)
+            normed, storage = fp8_gemm.written_input(ops.target, data, scales, self.normed.dtype)
+            ops.written.append(storage)
         run = functools.partial(
             self.comm.allreduce_rmsnorm, self.partials[i], ops.residual[rows], weight, eps,
-            self.residual_out[rows], self.halves[i].of(self.normed) if weight is not None else None,
-            self.layout, comm=self.plan.comm, segments=self.gemm_segments[i], set_index=i,
-            call=self.site * 2 + i, validate=self.validate)
+            self.residual_out[rows], normed, self.layout, comm=self.plan.comm,
+            segments=self.gemm_segments[i], set_index=i, call=self.site * 2 + i,
+            validate=self.validate)
         if not self.split:
             run(ctas=self.plan.comm_ctas_alone)
             ops.ops.append(Pending())
@@ -137,40 +151,68 @@ class WovenForward:
 
     # ------------------------------------------------------------------ the steps
     def inputs(self, handoff: Handoff | None, input_norm: torch.nn.Module,
-               group: dist.ProcessGroup, x: torch.Tensor) -> tuple[Pending, ...]:
-        """Per half, the op still writing this layer's normed input: the predecessor's hand-off
-        when it wrote into these very rows, else the input norm computed here now."""
+               group: dist.ProcessGroup, x: torch.Tensor,
+               column: torch.nn.Module | None) -> tuple[tuple[Pending, ...], WrittenInput | None]:
+        """Per half, the op still writing this layer's normed input, and that input where the
+        predecessor wrote it in FP8 for `column` (this layer's first linear): the predecessor's
+        hand-off when it wrote into these very rows (in FP8: for this very quantizer, this call
+        in FP8 too), else the input norm computed here now."""
+        done = tuple(Pending() for _ in self.halves)
         if handoff is not None:
             same = (handoff.normed.data_ptr() == self.normed.data_ptr()
                     and handoff.normed.shape == self.normed.shape)
-            if same and handoff.halves == self.halves:
-                return handoff.pending
+            written = handoff.written
+            if written is not None:
+                if (handoff.halves == self.halves and self.fp8
+                        and fp8_gemm.fused_quantizer(column) is written.quantizer):
+                    return handoff.pending, written
+                log_once("fp8-handoff", "TokenWeave: a layer's input was written in FP8 for a "
+                         "linear that does not take it now (another FP8 state, or not FP8); "
+                         "its input norm runs again")
+                same = False  # the bf16 rows were not written
+            elif same and handoff.halves == self.halves:
+                return handoff.pending, None
             handoff.wait()  # another split, or another buffer (a workspace outgrown between)
             if same:
-                return tuple(Pending() for _ in self.halves)
+                return done, None
         local = input_norm(x).reshape(-1, x.shape[-1]).to(self.normed.dtype)
         if self.layout is Layout.SEQUENCE_PARALLEL:
             flat = self.normed.view(-1, x.shape[-1])
             dist.all_gather_into_tensor(flat, local.contiguous(), group=group)
         else:
             self.normed[0].copy_(local)
-        return tuple(Pending() for _ in self.halves)
+        return done, None
+
+    def fp8_target(self, column: torch.nn.Module | None) -> Any | None:
+        """The input quantizer of `column`, the linear after a stage's fused ops, where those
+        ops write its input in FP8 (ops.fp8_rows: replicated layout, this call in FP8, the
+        workspace made); None: they write bf16 rows."""
+        if not self.fp8 or column is None or self.layout is not Layout.REPLICATED:
+            return None
+        quantizer = fp8_gemm.fused_quantizer(column)
+        if quantizer is None or not self.comm.prepare_fp8_rows():
+            return None
+        return quantizer
 
     def stage(self, stage: MixerStage, inputs: Sequence[Pending], residual: torch.Tensor,
-              next_norm: Norm | None, kwargs: Mapping[str, Any], site: int) -> Ops:
+              next_norm: Norm | None, kwargs: Mapping[str, Any], site: int,
+              written: WrittenInput | None = None, target: Any | None = None) -> Ops:
         """One mixer stage over the normed rows, each half's fused op (residual add + the next
         stage's norm, or add only where none follows) launched as soon as that half's partial
         sum is queued. Token-wise mixers run half by half, each half after its input arrived;
         the others run their core on all rows, their first linear per half as its input
         arrives and their last linear per half. `site`: the stage's place in the model, the
-        same on every rank: its ops and communicating GEMMs are calls site * 2 + half."""
+        same on every rank: its ops and communicating GEMMs are calls site * 2 + half.
+        `written`: the stage's input as the ops before wrote it in FP8 (None: bf16 rows);
+        `target`: the next linear's quantizer its own ops write for (fp8_target)."""
         self.site = site
         ops = Ops(residual, next_norm,
-                  self.plan.comm_ctas_mlp if stage.tokenwise else self.plan.comm_ctas_attn)
+                  self.plan.comm_ctas_mlp if stage.tokenwise else self.plan.comm_ctas_attn,
+                  target=target if next_norm is not None else None)
         if not stage.tokenwise:
             plans = {
                 stage.column: Weave(self.chunks, self.halves, before=lambda i: inputs[i].wait(),
-                                    fp8=self.fp8),
+                                    fp8=self.fp8, written=written),
                 stage.row: Weave(self.chunks, self.halves, partials=self.partials,
                                  add_bias=self.rank == 0, after=lambda i: self.launch(ops, i),
                                  gemm=self.row_gemm if self.fused_gemm else None, fp8=self.fp8),
@@ -187,8 +229,10 @@ class WovenForward:
                 self.launch(ops, i)
                 continue
             whole = (Half(0, x.shape[1]),)
+            mine = None if written is None else WrittenInput(written.quantizer,
+                                                             (written.halves[i],))
             plans = {
-                stage.column: Weave(self.chunks, whole, fp8=self.fp8),
+                stage.column: Weave(self.chunks, whole, fp8=self.fp8, written=mine),
                 stage.row: Weave(self.chunks, whole, partials=(self.partials[i],),
                                  add_bias=self.rank == 0,
                                  after=lambda _, i=i: self.launch(ops, i),
@@ -207,4 +251,4 @@ class WovenForward:
             for op in pending:
                 op.wait()
             pending = tuple(Pending() for _ in self.halves)  # a capture may not wait on others'
-        return Handoff(self.out, self.normed, self.halves, pending)
+        return Handoff(self.out, self.normed, self.halves, pending, last.written_input())

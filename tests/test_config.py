@@ -28,6 +28,7 @@ def test_defaults_are_valid_and_frozen():
         ("max_tokens", (1, 3, 16384), (0, -5, 2.5)),
         ("split_offset", (-64, 0, 5), ("1", 0.5)),
         ("defer_across_layers", (True, False), (1, "true", None)),
+        ("fp8_rows", (True, False), (0, "false", None)),
         ("backend", ("auto", "kernel", "reference"), ("foo", "", "AUTO", "nccl")),
         ("comm", ("fused", "collectives", "copy_engine"),
          ("nccl", "", "Fused", "multimem", "copy-engine")),
@@ -73,6 +74,7 @@ def test_from_env_without_variables_returns_base():
         ("defer_across_layers", "FALSE", False),
         ("defer_across_layers", "1", True),
         ("defer_across_layers", "True", True),
+        ("fp8_rows", "0", False),
     ],
 )
 def test_from_env_parses_each_type(monkeypatch, field, raw, want):

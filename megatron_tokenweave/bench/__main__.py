@@ -18,6 +18,7 @@ COMMANDS = {  # one line each in --help (80 columns)
     "gemm_fused": "the communicating GEMM vs cuBLAS and TE's GEMM (1 GPU)",
     "gemm_pair": "row GEMM + all-reduce + norm per mechanism, split or not (2 GPUs)",
     "call_check": "what checking every peer's call costs the one-shot path (1 GPU)",
+    "fp8_rows": "the op writing FP8 rows vs the op + TE's quantizer (1 GPU)",
 }
 
 

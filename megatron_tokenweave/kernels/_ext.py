@@ -57,7 +57,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("tokenweave::fused_allreduce_rmsnorm")
     def _fused_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas, path,
-                    tag):
+                    tag, normed_scales, scaling):
         return None
 
     @torch.library.register_fake("tokenweave::gemm_reduce_rmsnorm")

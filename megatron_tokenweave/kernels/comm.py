@@ -2,7 +2,8 @@
 
 KernelComm creates the C++ object (csrc/ops.cu: comm_create) with the buffer's addresses and the
 protocol settings, and launches the ops through it: `torch.ops.tokenweave.
-fused_allreduce_rmsnorm(handle, tensors, eps, ctas, path, tag)` and the GEMM-fused consumer
+fused_allreduce_rmsnorm(handle, tensors, eps, ctas, path, tag, normed_scales, scaling)`
+(the last two describe FP8 normed rows, ops.fp8_rows) and the GEMM-fused consumer
 `gemm_reduce_rmsnorm(handle, tensors, eps, ctas, segments, tag)`. `tag` names the call
 (`call_tag`: the caller's call number hashed with the call's shape), and a peer whose kernel
 publishes another call's tag or epoch is an error (csrc/include/tokenweave/signal.cuh), never two
@@ -21,6 +22,7 @@ import torch
 from megatron_tokenweave.kernels._ext import load_extension
 from megatron_tokenweave.kernels.copy_engine import CopyEngineMirror
 from megatron_tokenweave.kernels.symmetric import PeerBuffer
+from megatron_tokenweave.ops.fp8_rows import Fp8Rows
 from megatron_tokenweave.ops.segments import Segments
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
@@ -63,15 +65,16 @@ def twoshot_applies(layout: Layout, world: int, rows: int, hidden: int, elem_byt
 
 def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
                       weight: torch.Tensor | None, residual_out: torch.Tensor,
-                      normed_out: torch.Tensor | None, layout: Layout,
+                      normed_out: torch.Tensor | Fp8Rows | None, layout: Layout,
                       buffer: PeerBuffer, ctas: int) -> None:
     """Contract checks + kernel-specific ones; raise TokenWeaveInputError."""
     check_fused_args(partial, residual, weight, residual_out, normed_out, layout, buffer.world)
     if partial.dtype not in KERNEL_DTYPES:
         raise TokenWeaveInputError(f"the CUDA kernel takes bf16 or fp16, got {partial.dtype}")
     tensors = {"partial": partial, "residual": residual, "residual_out": residual_out}
+    fp8 = isinstance(normed_out, Fp8Rows)
     if weight is not None:
-        tensors.update(weight=weight, normed_out=normed_out)
+        tensors.update(weight=weight, normed_out=normed_out.data if fp8 else normed_out)
     for name, t in tensors.items():
         if t.device != buffer.device:
             raise TokenWeaveInputError(
@@ -84,6 +87,8 @@ def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
         raise TokenWeaveInputError(f"hidden {partial.shape[-1]} > {MAX_HIDDEN}")
     if not buffer.contains(partial):
         raise _partial_outside(partial, buffer, f"the symmetric buffer ({buffer.nbytes} bytes)")
+    if fp8 and buffer.multicast_base:
+        raise TokenWeaveInputError("FP8 normed rows are not written by the multimem path")
     if weight is not None and layout is Layout.SEQUENCE_PARALLEL:
         if not buffer.contains(normed_out):
             raise TokenWeaveInputError(
@@ -100,6 +105,8 @@ def _partial_outside(partial: torch.Tensor, buffer: PeerBuffer,
         f"{partial.numel() * partial.element_size()} bytes) is not inside {region}")
 
 
+# normed_scales and scaling of a call whose normed rows are in the activations' dtype.
+_NO_SCALES: tuple[list[torch.Tensor], list[float]] = ([], [])
 # The op's data paths (csrc/ops.cu Path): SM-driven kernels, or the copy-engine op.
 PATHS = ("sm", "copy_engine")
 # The op's `path` argument by (path, phase): the copy-engine op whole or one of its phases.
@@ -197,8 +204,11 @@ class KernelComm:
                         phase)
         code = _PATH_CODES[path, phase]
         tag = call_tag(call, code, ctas, *partial.shape, weight is not None)
+        scales, scaling = _NO_SCALES
+        if isinstance(normed_out, Fp8Rows):
+            (scales, scaling), normed_out = normed_out.op_args(), normed_out.data
         self._op(self.handle, partial, residual, weight, float(eps), residual_out, normed_out,
-                 ctas, code, tag)
+                 ctas, code, tag, scales, scaling)
 
     def gemm_tag(self, call: int, seg: Segments, set_index: int, hidden: int) -> int:
         """The tag a GEMM-fused call's GEMM and consumer share (0: the check is off, as the

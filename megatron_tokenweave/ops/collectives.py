@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_tokenweave.ops.fp8_rows import write_replicated
 from megatron_tokenweave.ops.validate import Layout
 
 
@@ -47,4 +48,4 @@ def allreduce_add_rmsnorm_collectives(
         dist.all_gather_into_tensor(gathered, normed, group=group)
         normed_out.copy_(gathered.view(chunks, rows, hidden))
     else:
-        normed_out[0].copy_(normed)
+        write_replicated(normed_out, normed)

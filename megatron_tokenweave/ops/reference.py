@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_tokenweave.ops.fp8_rows import write_replicated
 from megatron_tokenweave.ops.validate import Layout, check_fused_args
 
 
@@ -49,5 +50,5 @@ def fused_allreduce_rmsnorm_reference(
             dist.all_gather_into_tensor(gathered.view(world * rows, hidden), normed, group=group)
             normed_out.copy_(gathered)
         else:
-            normed_out[0].copy_(normed)
+            write_replicated(normed_out, normed)
     residual_out.copy_(y.to(residual_out.dtype))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_tokenweave.ops.fp8_rows import Fp8Rows
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -62,11 +65,12 @@ def check_fused_args(
     residual: torch.Tensor,
     weight: torch.Tensor | None,
     residual_out: torch.Tensor,
-    normed_out: torch.Tensor | None,
+    normed_out: torch.Tensor | Fp8Rows | None,
     layout: Layout,
     world: int,
 ) -> None:
-    """Validate the fused op's arguments; raise TokenWeaveInputError with a clear message."""
+    """Validate the fused op's arguments; raise TokenWeaveInputError with a clear message.
+    normed_out: rows in the activations' dtype, or FP8 rows (ops.fp8_rows)."""
     if not isinstance(layout, Layout):
         raise TokenWeaveInputError(f"layout must be a Layout, got {layout!r}")
     if partial.dim() != 3:
@@ -113,6 +117,13 @@ def check_fused_args(
         )
     if normed_out is None:
         raise TokenWeaveInputError("normed_out is required when a norm weight is given")
+    from megatron_tokenweave.ops.fp8_rows import Fp8Rows  # it imports this module
+
+    if isinstance(normed_out, Fp8Rows):
+        if layout is not Layout.REPLICATED:
+            raise TokenWeaveInputError("FP8 normed rows take the replicated layout")
+        normed_out.check(rows, hidden, partial.device)
+        return
     if tuple(normed_out.shape) != (chunks, rows, hidden):
         raise TokenWeaveInputError(
             f"normed_out must have shape {(chunks, rows, hidden)}, got {tuple(normed_out.shape)}"

@@ -150,6 +150,22 @@ def _count_woven_fp8_gemms() -> list[int]:
     return gemms
 
 
+def _count_written_inputs() -> list[int]:
+    """From now on in this rank, every half of a linear's input a fused op writes in FP8
+    (fp8_gemm.written_input, as the woven schedule calls it) appends its rows."""
+    from megatron_tokenweave import fp8_gemm
+
+    written: list[int] = []
+    original = fp8_gemm.written_input
+
+    def counting(quantizer, data, *args, **kwargs):
+        written.append(int(data.shape[1]))
+        return original(quantizer, data, *args, **kwargs)
+
+    fp8_gemm.written_input = counting
+    return written
+
+
 def _parity(rank: int, world: int, te: bool = False,
             layouts: tuple[bool, ...] = (False, True), hybrid: bool = False,
             quant: dict | None = None, shapes: tuple = tuple(SHAPES),
@@ -165,6 +181,7 @@ def _parity(rank: int, world: int, te: bool = False,
     initialize_model_parallel(world)
     calls = _count_fused_calls()
     fp8_gemms = _count_woven_fp8_gemms() if quant else None
+    written = _count_written_inputs() if quant else []
     results = []
     for sp in layouts:
         mechanisms = [("kernel", "fused"), ("kernel", "copy_engine"), ("kernel", "collectives"),
@@ -181,6 +198,7 @@ def _parity(rank: int, world: int, te: bool = False,
 
                     stock, tw = prepare_model_for_fp8_inference(stock), \
                         prepare_model_for_fp8_inference(tw)
+                first = True  # the model's first forward: its linears' FP8 state is made
                 for seq, batch in shapes:
                     if sp and seq % world:
                         continue  # Megatron's sequence parallelism needs seq % TP == 0
@@ -196,6 +214,7 @@ def _parity(rank: int, world: int, te: bool = False,
                             results.append((sp, label, bool(split), seq, batch, str(exc)))
                             continue
                         calls.clear()
+                        written.clear()
                         if fp8_gemms is not None:
                             fp8_gemms.clear()
                         out = tw(tokens, pos, attention_mask=None).float()
@@ -204,7 +223,8 @@ def _parity(rank: int, world: int, te: bool = False,
                     woven = (len(calls) if fp8_gemms is None or len(fp8_gemms) >= 2 * len(calls)
                              else -len(calls))
                     results.append((sp, f"{backend}/{comm}", bool(split), seq, batch,
-                                    err_stock, err_tw, woven))
+                                    err_stock, err_tw, woven, -1 if first else len(written)))
+                    first = False
                 del stock, tw, golden
     return results
 
@@ -232,21 +252,29 @@ def test_logits_match_stock_spec_ranks_sharing_one_gpu(world):
                   f"local, {world} ranks on one GPU")
 
 
-def _check_parity(results: list[tuple], stock: str, min_calls: int = 4) -> None:
+def _check_parity(results: list[tuple], stock: str, min_calls: int = 4,
+                  written: bool | None = None) -> None:
     """Every case the stock spec runs: TokenWeave within its error. TE 2.20's attention refuses
     single-token inputs (get_qkv_layout: "The provided qkv memory layout is not supported!") in
-    the stock spec too; such cases are listed, and at most the 1-token shape may be one."""
+    the stock spec too; such cases are listed, and at most the 1-token shape may be one.
+    `written`: whether the fused ops write the next linears' inputs in FP8 (True: every op with
+    a norm after a model's first forward, which makes the linears' FP8 state; False: none)."""
     refused = [r for r in results if len(r) == 6]
     assert all(seq == 1 for _, _, _, seq, _, _ in refused), refused
     if refused:
         print(f"{stock} spec refused (sp, backend, split, seq, batch, error): {refused}")
-    results = [r for r in results if len(r) == 8]
+    results = [r for r in results if len(r) == 9]
     assert len(results) >= len(refused) and results
-    for sp, backend, split, seq, batch, err_stock, err_tw, calls in results:
+    for sp, backend, split, seq, batch, err_stock, err_tw, calls, fp8_rows in results:
         case = f"{stock} sp={sp} backend={backend} split={split} seq={seq} batch={batch}"
         assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
         assert calls >= min_calls, f"{case}: the fused op ran {calls} times (negative: and no " \
             "woven FP8 GEMM)"
+        if written is not None and fp8_rows >= 0:  # -1: a model's first forward (below)
+            # Every op with a norm writes in FP8; the model's last ops (add only, one per
+            # half) do not.
+            ok = calls - 2 <= fp8_rows <= calls - 1 if written else fp8_rows == 0
+            assert ok, f"{case}: {fp8_rows} halves written in FP8 of {calls} fused ops"
     worst_stock, worst_tw = max(r[5] for r in results), max(r[6] for r in results)
     print(f"max error vs fp32 ({stock}): stock {worst_stock:.3e}, tokenweave {worst_tw:.3e}")
 
@@ -266,6 +294,8 @@ def test_logits_match_te_spec_bf16():
 # below and above the split threshold, an odd number of 16-row granules, a batch of 2.
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 FP8_SHAPES = ((16, 1), (512, 1), (1040, 1), (1024, 2))
+# The recipes whose next-linear inputs the fused op writes in FP8 (ops.fp8_rows).
+FP8_WRITTEN = ("delayed", "blockwise")
 
 
 def _one_gpu_te() -> None:
@@ -292,7 +322,8 @@ def test_fp8_logits_match_te_fp8_spec_ranks_sharing_one_gpu(world, recipe):
     _one_gpu_te()
     quant = {"fp8": "e4m3", "fp8_recipe": recipe}
     _check_parity(spawn(_parity, world, True, (False,), False, quant, FP8_SHAPES,
-                        backend="gloo")[0], f"TE FP8 {recipe}, {world} ranks on one GPU")
+                        backend="gloo")[0], f"TE FP8 {recipe}, {world} ranks on one GPU",
+                  written=recipe in FP8_WRITTEN)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -304,7 +335,7 @@ def test_fp8_hybrid_matches_te_hybrid_stack_ranks_sharing_one_gpu(recipe):
     quant = {"fp8": "e4m3", "fp8_recipe": recipe}
     _check_parity(spawn(_parity, 2, True, (False,), True, quant, FP8_SHAPES,
                         backend="gloo")[0], f"hybrid_stack_spec FP8 {recipe}, 2 ranks on one GPU",
-                  min_calls=len(HYBRID))
+                  min_calls=len(HYBRID), written=recipe in FP8_WRITTEN)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -319,8 +350,8 @@ def test_fp8_under_megatrons_fp8_inference_padding_ranks_sharing_one_gpu(recipe)
     quant = {"fp8": "e4m3", "fp8_recipe": recipe}
     results = spawn(_parity, 2, True, (False,), False, quant, FP8_SHAPES + ((7, 3), (1031, 1)),
                     True, backend="gloo")[0]
-    assert all(len(r) == 8 for r in results), results
-    for _, backend, split, seq, batch, err_stock, err_tw, woven in results:
+    assert all(len(r) == 9 for r in results), results
+    for _, backend, split, seq, batch, err_stock, err_tw, woven, _ in results:
         case = f"{backend} split={split} seq={seq} batch={batch}"
         assert err_tw <= 1.25 * err_stock + 1e-3, f"{case}: {err_tw:.3e} vs stock {err_stock:.3e}"
         if seq * batch % 16:

@@ -26,6 +26,7 @@
 
 #include "tokenweave/bulk_copy.cuh"
 #include "tokenweave/common.cuh"
+#include "tokenweave/fp8_rows.cuh"
 #include "tokenweave/rmsnorm_row.cuh"
 #include "tokenweave/signal.cuh"
 
@@ -55,6 +56,8 @@ struct FusedParams {
                               // locally only (the op's copies move them)
   uint32_t tag;               // the call's tag (signal.cuh: the same on every rank for the same
                               // call; checked at START and by the one-shot exchange); 0: none
+  Fp8Rows fp8;                // mode kFp8None: normed rows in T; else (replicated layout only)
+                              // normed_local holds e4m3 rows of `hidden` bytes (fp8_rows.cuh)
 };
 
 // Whether the kernel stores normed rows to the peers itself (sequence parallel).
@@ -79,6 +82,45 @@ __device__ __forceinline__ void store_normed(const FusedParams& p, char* const (
   }
 }
 
+// One row's normed vectors from this thread's kVpt vectors y of the row (rs: its rstd), each
+// rounded once to T, then stored by store(v, col, vector) (T rows: the caller's destination) or,
+// for FP8 rows, quantized and stored into normed_local here (`acc`: fp8_begin's). Every thread
+// of the CTA calls it for the row: block scales reduce over lanes.
+template <typename T, int kVpt, typename Store>
+__device__ __forceinline__ void emit_normed(const FusedParams& p, int row,
+                                            const float (&y)[kVpt][8], float rs,
+                                            const Vec16 (&w)[kVpt], Fp8Acc& acc, Store&& store) {
+  const int hv = p.hidden / kVecElems;
+  const Fp8Rows& f = p.fp8;
+  if (f.mode == kFp8None) {
+    for_each_vec<kVpt>(hv, [&](int v, int col) { store(v, col, normalize_vec<T>(y[v], rs, w[v])); });
+    return;
+  }
+  uint2* out = reinterpret_cast<uint2*>(static_cast<char*>(p.normed_local) +
+                                        static_cast<int64_t>(row) * p.hidden);
+#pragma unroll
+  for (int v = 0; v < kVpt; ++v) {
+    if (v * static_cast<int>(blockDim.x) >= hv) break;  // no thread of the CTA has vector v
+    const int col = threadIdx.x + v * blockDim.x;
+    const bool in = col < hv;
+    float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (in) set_vec<T>(x, normalize_vec<T>(y[v], rs, w[v]));
+    const float m = abs_max8(x);
+    if (f.mode == kFp8TensorScale) {
+      acc.amax = fmaxf(acc.amax, m);
+      if (in) out[col] = fp8_pack8(x, acc.scale);
+      continue;
+    }
+    // A block is 16 consecutive vectors: 16 aligned lanes (blockDim.x is a multiple of 32).
+    const float2 s = fp8_block_scales(half_warp_max(m), f);
+    if (in) {
+      out[col] = fp8_pack8(x, s.x);
+      if (col % kFp8BlockLanes == 0)
+        f.scale_inv[static_cast<int64_t>(col / kFp8BlockLanes) * f.stride + row] = s.y;
+    }
+  }
+}
+
 // Failures are loud: a CTA that cannot complete its rows (an earlier launch timed out, or a
 // peer never arrived) writes NaN into every output row it was to write, so a consumer reads NaN,
 // never stale rows, until the host raises the recorded error. poison_row: one row of residual_out
@@ -92,10 +134,16 @@ __device__ __forceinline__ void poison_row(const FusedParams& p, uint32_t nan2, 
   const int hv = p.hidden / kVecElems;
   const int64_t row_off = row * static_cast<int64_t>(hv) * kVecBytes;
   char* own = reinterpret_cast<char*>(p.bases[p.rank]);
+  if (p.weight != nullptr && p.fp8.mode != kFp8None) {  // e4m3 rows of `hidden` bytes
+    uint2* normed = reinterpret_cast<uint2*>(static_cast<char*>(p.normed_local) +
+                                             static_cast<int64_t>(row) * p.hidden);
+    for (int col = threadIdx.x; col < hv; col += blockDim.x)
+      normed[col] = make_uint2(kFp8NanWord, kFp8NanWord);
+  }
   for (int col = threadIdx.x; col < hv; col += blockDim.x) {
     const int64_t roff = row_off + static_cast<int64_t>(col) * kVecBytes;
     store_vec(static_cast<char*>(p.residual_out) + roff, nan);
-    if (p.weight == nullptr) continue;
+    if (p.weight == nullptr || p.fp8.mode != kFp8None) continue;
     if (p.sequence_parallel) {
       for (int c = 0; c < p.world; ++c)
         store_vec(own + p.normed_off + c * p.normed_cstride + roff, nan);
@@ -195,6 +243,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int64_t src_off = p.partial_off + chunk * p.partial_cstride;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
   int parity = 0;
+  Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
 
   for (int row0 = b * kRows; row0 < p.rows; row0 += gridDim.x * kRows, parity ^= 1) {
     Vec16 in[kRows][kVpt][kNp];
@@ -243,15 +292,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int r = 0; r < kRows; ++r) ss[r] = block_rstd(s_red[parity][r], inv_h, p.eps);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int v = 0; v < kVpt; ++v) {
-        const int col = tid + v * blockDim.x;
-        if (row0 + r < p.rows && col < hv)
-          store_normed(p, data, chunk, (row0 + r) * row_bytes + col * kVecBytes,
-                       normalize_vec<T>(y[r][v], ss[r], w[v]));
-      }
+      if (row0 + r >= p.rows) continue;  // the same in every thread
+      emit_normed<T, kVpt>(p, row0 + r, y[r], ss[r], w, acc, [&](int, int col, const Vec16& o) {
+        store_normed(p, data, chunk, (row0 + r) * row_bytes + col * kVecBytes, o);
+      });
     }
   }
+  fp8_end(p.fp8, acc);
 
   if (!p.copy_engine &&
       !cta_barrier<true>(pad_bases, p.rank, world, b, e, 0u, p.timeout_ns, &s_fail))
@@ -333,6 +380,18 @@ __global__ void __launch_bounds__(kMaxThreads)
   int s = 0;
   uint32_t phase = 0;
   int parity = 0;
+  Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
+  // A row's normed stores are emitted one iteration late, between the next row's block sums
+  // and its barrier, so their latency (FP8 rows: the block scales) overlaps that barrier's
+  // wait instead of adding to the row's.
+  float y_prev[kVpt][8];
+  float rs_prev = 0.f;
+  int prev = -1;
+  auto emit = [&](int r) {
+    emit_normed<T, kVpt>(p, r, y_prev, rs_prev, w, acc, [&](int, int col, const Vec16& o) {
+      store_normed(p, data, chunk, r * row_bytes + col * kVecBytes, o);
+    });
+  };
   for (int row = b; row < p.rows; row += G, parity ^= 1) {
     mbar_wait(&s_full[s], phase);
     const unsigned char* st = s_stage + static_cast<int64_t>(s) * stage_bytes;
@@ -354,6 +413,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
     publish_warp_sum(ss, s_red[parity]);
+    if (prev >= 0) emit(prev);  // the same in every thread
     // After this sync every thread is done reading stage s (and s_red[parity] is complete;
     // it is rewritten two iterations later, after another sync).
     __syncthreads();
@@ -369,15 +429,15 @@ __global__ void __launch_bounds__(kMaxThreads)
       phase ^= 1;
     }
     if (!norm) continue;
-    const float rs = block_rstd(s_red[parity], inv_h, p.eps);
+    rs_prev = block_rstd(s_red[parity], inv_h, p.eps);
+    prev = row;
 #pragma unroll
-    for (int v = 0; v < kVpt; ++v) {
-      const int col = tid + v * blockDim.x;
-      if (col < hv)
-        store_normed(p, data, chunk, row * row_bytes + col * kVecBytes,
-                     normalize_vec<T>(y[v], rs, w[v]));
-    }
+    for (int v = 0; v < kVpt; ++v)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) y_prev[v][k] = y[v][k];
   }
+  if (prev >= 0) emit(prev);
+  fp8_end(p.fp8, acc);
 
   if (!p.copy_engine &&
       !cta_barrier<true>(pad_bases, p.rank, world, b, e, 0u, p.timeout_ns, &s_fail))

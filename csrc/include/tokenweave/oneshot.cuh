@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const uint64_t t0 = global_timer_ns();
   int parity = 0;
   int failed = 0;  // this thread gave up on a peer's rows (then stores nothing more)
+  Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
 
   // 2. every peer's CTA b is on this very call, before any of its rows is read.
   if (check && tid < world && tid != p.rank) {
@@ -240,14 +241,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     if (!norm) continue;
     const float rs = block_rstd(s_red[parity], inv_h, p.eps);
-#pragma unroll
-    for (int v = 0; v < kVpt; ++v) {
-      const int col = tid + v * blockDim.x;
-      if (col < hv)
-        reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] =
-            normalize_vec<T>(y[v], rs, w[v]);
-    }
+    emit_normed<T, kVpt>(p, row, y, rs, w, acc, [&](int, int col, const Vec16& o) {
+      reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] = o;
+    });
   }
+  fp8_end(p.fp8, acc);
 
   // 5. reset the previous round's buffer of my own header: its rows and its tag slots.
   const int prev = static_cast<int>((r % kOneShotRounds + kOneShotRounds - 1) % kOneShotRounds);

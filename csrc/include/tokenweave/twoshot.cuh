@@ -63,6 +63,17 @@ __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const
   char* res_out = static_cast<char*>(p.residual_out);
   char* normed = static_cast<char*>(p.normed_local);
   int parity = 0;
+  Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
+  // A row's normed stores are emitted one row late, before the next row's barrier (as in the
+  // bulk kernel: their latency overlaps that barrier's wait).
+  float y_prev[kVpt][8];
+  float rs_prev = 0.f;
+  int prev = -1;
+  auto emit = [&](int r) {
+    emit_normed<T, kVpt>(p, r, y_prev, rs_prev, w, acc, [&](int, int col, const Vec16& o) {
+      reinterpret_cast<Vec16*>(normed + r * row_bytes)[col] = o;
+    });
+  };
   for (int c = 0; c < p.world; ++c) {
     const int end = min(p.rows, (c + 1) * chunk_rows);
     for (int row = c * chunk_rows + blockIdx.x; row < end; row += gridDim.x, parity ^= 1) {
@@ -77,13 +88,18 @@ __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const
       });
       if (p.weight == nullptr) continue;
       publish_warp_sum(ss, s_red[parity]);
+      if (prev >= 0) emit(prev);  // the same in every thread
       __syncthreads();  // s_red[parity] is rewritten two rows later, after another sync
-      const float rs = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
-      for_each_vec<kVpt>(hv, [&](int v, int col) {
-        reinterpret_cast<Vec16*>(normed + roff)[col] = normalize_vec<T>(y[v], rs, w[v]);
-      });
+      rs_prev = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
+      prev = row;
+#pragma unroll
+      for (int v = 0; v < kVpt; ++v)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) y_prev[v][k] = y[v][k];
     }
   }
+  if (prev >= 0) emit(prev);
+  fp8_end(p.fp8, acc);
 }
 
 template <typename T, int kNp, int kVpt>
