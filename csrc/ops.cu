@@ -60,6 +60,7 @@ struct Communicator {
   at::Tensor bases;       // device int64 [2 * world]: data-region bases, then signal-pad bases
   int64_t rank = 0, world = 0, local_base = 0, buffer_bytes = 0, timeout_ns = 0;
   int device = 0;
+  int arch = 0;                   // the device's compute capability, 90 = sm_90
   bool bulk = true;               // the bulk-copy pipeline where its stages fit (sm_90 only)
   bool oneshot = true;            // the one-shot path for small replicated calls
   bool twoshot = true;            // the two-shot path for larger replicated calls at TP >= 4
@@ -240,6 +241,8 @@ FusedParams make_params(const Communicator& c, const at::Tensor& partial,
       TORCH_CHECK(!sequence_parallel && c.multicast_base == 0,
                   "tokenweave: FP8 normed rows take the replicated layout (not sequence "
                   "parallel, not multimem)");
+      TORCH_CHECK(c.arch >= kFp8MinArch, "tokenweave: FP8 normed rows need sm_", kFp8MinArch,
+                  " or newer (e4m3 conversion instructions); this GPU is sm_", c.arch);
       p.fp8 = fp8_rows_of(partial, rows, hidden, scales, scaling);
     }
     TORCH_CHECK(no.device() == partial.device() && (fp8 || no.scalar_type() == dt) &&
@@ -580,10 +583,12 @@ int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_
               "tokenweave: bases must be a contiguous CUDA int64 tensor of 2 * world entries");
   TORCH_CHECK(buffer_bytes > 0 && timeout_ns > 0, "tokenweave: buffer_bytes and timeout_ns must "
               "be positive");
-  int major = 0;
+  int major = 0, minor = 0;
   const int device = bases.get_device();
   TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                  cudaSuccess,
+                      cudaSuccess &&
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+                      cudaSuccess,
               "tokenweave: cudaDeviceGetAttribute failed");
   TORCH_CHECK(multicast_base == 0 || major >= 9,
               "tokenweave: the multimem path needs sm_90 or newer (this GPU is sm_", major, "x)");
@@ -595,6 +600,7 @@ int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_
   c->buffer_bytes = buffer_bytes;
   c->timeout_ns = timeout_ns;
   c->device = device;
+  c->arch = major * 10 + minor;
   c->bulk = (flags & kFlagBulk) != 0 && major >= 9;  // mbarrier + cp.async.bulk are sm_90
   c->oneshot = (flags & kFlagOneShot) != 0;
   c->twoshot = (flags & kFlagTwoShot) != 0;

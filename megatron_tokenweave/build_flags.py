@@ -78,7 +78,13 @@ def nvcc_flags(archs: Sequence[int] | str | None = None) -> list[str]:
     """All of our nvcc flags, the -gencode ones included; archs as parse_archs takes or returns."""
     if archs is None or isinstance(archs, str):
         archs = parse_archs(archs)
-    return [*NVCC_BASE_FLAGS, *gencode_flags(archs)]
+    return [*NVCC_BASE_FLAGS, *parallel_flags(archs), *gencode_flags(archs)]
+
+
+def parallel_flags(archs: Sequence[int]) -> list[str]:
+    """With several archs, nvcc compiles them in parallel (one thread per core): ops.cu's
+    instantiations take minutes per arch."""
+    return ["--threads=0"] if len(archs) > 1 else []
 
 
 def cxx_flags() -> list[str]:

@@ -9,14 +9,16 @@ import contextlib
 import ctypes
 import faulthandler
 import os
+import pickle
 import queue as queue_mod
+import select
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -87,30 +89,59 @@ def stop_event() -> threading.Event:
     return _STOP
 
 
-def _die_with_launcher() -> None:
-    """Linux: kill this rank when its launcher dies, even by SIGKILL: no rank outlives it."""
+def _die_with_launcher(forked: bool) -> None:
+    """Linux: kill this rank when its launcher dies, even by SIGKILL: no rank outlives it.
+
+    A spawned rank asks the kernel for SIGKILL when its parent, the launcher, dies. A rank
+    started by the fork server (`forked`) has that server as its parent, which lives on while any
+    of its ranks do: a thread waits on a pidfd of the launcher instead."""
+    launcher = mp.parent_process()
+    if launcher is None:
+        return
+    if forked:
+        try:
+            pidfd = os.pidfd_open(launcher.pid)
+        except ProcessLookupError:  # it died already
+            os._exit(1)
+        except (OSError, AttributeError):  # no pidfds: the launcher's own handlers still stop ranks
+            return
+        threading.Thread(target=_kill_self_when_ready, args=(pidfd,), daemon=True,
+                         name="tokenweave-launcher-watch").start()
+        return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     except (OSError, AttributeError):  # not Linux: the launcher's own handlers still stop ranks
         return
-    launcher = mp.parent_process()
-    if launcher is not None and os.getppid() != launcher.pid:  # it died before the prctl
+    if os.getppid() != launcher.pid:  # it died before the prctl
         os._exit(1)
 
 
+def _kill_self_when_ready(fd: int) -> None:
+    """Block until `fd` (a pidfd: readable once that process has exited) is readable; then
+    SIGKILL this process."""
+    select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _worker(
-    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue
+    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue,
+    env: dict[str, str], forked: bool,
 ) -> None:
-    _die_with_launcher()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C (see spawn)
+    _die_with_launcher(forked)
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only, which stops the ranks in order
-    os.environ.update(NO_MULTICAST_ENV)
+    # The launcher's environment as it is now (a fork server's is the one it started with).
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(rank, world, *args)))
+        # Plain pickle copies tensors into the message: torch's queue pickler would share their
+        # storage through a file descriptor this process serves, gone once it exits below.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -158,6 +189,7 @@ def spawn(
     backend: str | None = None,
     timeout: float | None = 600.0,
     stop_grace_s: float = 3.0,
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Run fn(rank, world, *args) on `world` ranks; return the per-rank results.
 
@@ -166,14 +198,28 @@ def spawn(
     when the launcher gets SIGINT or SIGTERM: then every rank gets STOP_REQUEST (a server's
     stop_event) and `stop_grace_s` to return before it is killed. The ranks run in their own
     process group with SIGINT ignored, so a terminal's Ctrl-C reaches them only through the
-    launcher."""
+    launcher.
+
+    `preload`: modules the ranks of a CPU job (gloo) take from a fork server that imported them
+    once per launcher process: a rank starts in a fraction of a second instead of importing torch
+    and Megatron again (seconds of CPU each). Never with NCCL: the server must not touch a GPU.
+    The ranks get the launcher's environment of the call either way; what a preloaded module
+    read from the environment when it was imported stays as the server saw it."""
     backend = backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
+    if preload and backend != "gloo":
+        raise ValueError(f"preload is for gloo ranks on CPU, not backend {backend!r}: forked "
+                         "ranks cannot use a GPU that their server's process could have touched")
     os.environ.update(NO_MULTICAST_ENV)
-    ctx = mp.get_context("spawn")
+    forked = bool(preload)
+    ctx = mp.get_context("forkserver" if forked else "spawn")
+    if forked:
+        ctx.set_forkserver_preload(list(preload))  # used when this process starts its server
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue))
+        ctx.Process(target=_worker,
+                    args=(r, world, port, backend, fn, args, queue, env, forked))
         for r in range(world)
     ]
     owns_signals = threading.current_thread() is threading.main_thread()
@@ -217,7 +263,7 @@ def _collect(procs: list, queue, timeout: float | None, received: list[int]) -> 
             continue
         if status == "error":
             raise RankFailed(rank, value)
-        results[rank] = value
+        results[rank] = pickle.loads(value)
         suspect = None
     return results
 

@@ -17,6 +17,8 @@ import torch
 from megatron_tokenweave.launch import spawn
 
 WORLD = 2  # the TP size of a multi-rank test that does not ask for another
+# What every CPU rank imports: the fork server's (launch.spawn's preload).
+PRELOAD = ("torch", "megatron.core.models.gpt", "megatron.core.inference.contexts")
 
 
 def run_ranks(fn, *args: Any, world: int = WORLD) -> list[Any]:
@@ -24,8 +26,11 @@ def run_ranks(fn, *args: Any, world: int = WORLD) -> list[Any]:
 
     Where the ranks outnumber the CPU cores, each rank runs torch with one intra-op thread: on a
     2-core machine 4 or 8 ranks of 2 threads each spend most of their time switching, and a
-    collective waits for its slowest rank (about 10x slower forwards, measured at TP=4)."""
-    return spawn(_in_rank, world, rank_threads(world), fn, *args)
+    collective waits for its slowest rank (about 10x slower forwards, measured at TP=4).
+    Without a GPU the ranks come from a fork server that imported torch and Megatron once
+    (importing them takes a rank about 8 s of CPU)."""
+    preload = () if torch.cuda.is_available() else PRELOAD
+    return spawn(_in_rank, world, rank_threads(world), fn, *args, preload=preload)
 
 
 def rank_threads(world: int) -> int | None:

@@ -45,6 +45,7 @@ def test_env_arch_list(monkeypatch, value, archs):
     assert parse_archs() == archs
     assert build_flags.nvcc_flags()[-len(archs):] == [
         f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    assert ("--threads=0" in build_flags.nvcc_flags()) == (len(archs) > 1)
 
 
 @pytest.mark.parametrize("value, words", [

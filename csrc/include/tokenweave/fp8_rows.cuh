@@ -16,7 +16,18 @@
 
 #include "tokenweave/common.cuh"
 
+// e4m3 conversions are instructions from sm_89 on; below it each would be a long software
+// sequence in every kernel instantiation (minutes of compile time for code no caller runs: TE has
+// no FP8 GEMM there), so there the FP8 epilogue is a trap and the host refuses FP8 rows (ops.cu).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#define TOKENWEAVE_FP8_ROWS 0
+#else
+#define TOKENWEAVE_FP8_ROWS 1
+#endif
+
 namespace tokenweave {
+
+constexpr int kFp8MinArch = 89;  // the oldest arch that writes FP8 rows (sm_89)
 
 enum Fp8Mode : int { kFp8None = 0, kFp8TensorScale = 1, kFp8Blocks = 2 };
 

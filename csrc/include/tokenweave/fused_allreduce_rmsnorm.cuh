@@ -96,6 +96,9 @@ __device__ __forceinline__ void emit_normed(const FusedParams& p, int row,
     for_each_vec<kVpt>(hv, [&](int v, int col) { store(v, col, normalize_vec<T>(y[v], rs, w[v])); });
     return;
   }
+#if !TOKENWEAVE_FP8_ROWS
+  __trap();  // below sm_89: never launched with FP8 rows (ops.cu)
+#else
   uint2* out = reinterpret_cast<uint2*>(static_cast<char*>(p.normed_local) +
                                         static_cast<int64_t>(row) * p.hidden);
 #pragma unroll
@@ -119,6 +122,7 @@ __device__ __forceinline__ void emit_normed(const FusedParams& p, int row,
         f.scale_inv[static_cast<int64_t>(col / kFp8BlockLanes) * f.stride + row] = s.y;
     }
   }
+#endif
 }
 
 // Failures are loud: a CTA that cannot complete its rows (an earlier launch timed out, or a
