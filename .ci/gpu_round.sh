@@ -68,6 +68,10 @@
 #          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
 #          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
 #          split_cost --fp8-recipe), 70B shards at TP 2 and 8
+#   fp8_rows  the fused op writing the next linear's input in FP8 (`stage.sh te` carried): its
+#          GPU test against the reference and TE's quantizers (TP 2 and 4), bench fp8_rows at
+#          TP 2 and 4, then the woven FP8 layer tests that have not run with FP8 rows in use
+#          (TP 4 parity, hybrid, graph replays, the padding wrapper, the checkpoint both ways)
 #   serve_hybrid  the serving tests of GPTModel and HybridModel with ranks sharing one GPU, but
 #          the OpenAI soak and the SIGTERM stop (fa4 and .ci/stage_serve.sh carried)
 set -u
@@ -99,6 +103,13 @@ case "$phase" in
         --model llama-3.3-70b --tp "$tp" --fp8-recipe delayed tensorwise blockwise \
         --out "$out/split_cost_fp8_tp$tp.json"
     done
+    ;;
+  fp8_rows)
+    TAIL=8 step fp8_rows_op 420 python -m pytest -x -v -s tests/gpu/test_fp8_rows_gpu.py
+    TAIL=30 step fp8_rows_bench 300 python -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
+      --out "$out/fp8_rows_1gpu.json"
+    TAIL=30 step fp8_rows_layer 560 python -m pytest -v -s tests/gpu/test_layer_gpu.py \
+      -k "(fp8_logits and 4-) or fp8_hybrid or fp8_under or fp8_delayed_scaling"
     ;;
   gemm_cutlass)
     TAIL=6 step cutlass_test 420 python -m pytest -x -v -s tests/gpu/test_cutlass_gemm.py
