@@ -3,8 +3,9 @@
 # megatron_tokenweave/build_flags.py's (the ones setup.py and the JIT build use; archs: its
 # CHECK_ARCHS, "80;90", or TOKENWEAVE_CUDA_ARCHS where set), plus what torch's BuildExtension adds
 # and the include dirs of the installed torch (the CPU wheel ships the CUDA headers torch's
-# extensions need). For the multimem code, also check that the sm_90 PTX of ops.cu (kept from its
-# object compile) holds multimem.ld_reduce and multimem.st. Exits non-zero on any failure.
+# extensions need), one nvcc per source and core at a time. For the multimem code, also check that
+# the sm_90 PTX of csrc/launch_multimem.cu (kept from its object compile) holds multimem.ld_reduce
+# and multimem.st. Exits non-zero on any failure.
 # Usage: .ci/compile_csrc.sh [--print-flags] [build_dir]   (env: PYTHON, NVCC)
 #   --print-flags: print the nvcc flags, one per line, and exit (compiles nothing).
 set -euo pipefail
@@ -48,23 +49,35 @@ if [ "$print_only" -eq 1 ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi
 echo "nvcc flags: ${OURS[*]}"
 status=0
 keep="$OUT/keep"
+ptx_src=csrc/launch_multimem.cu  # the multimem kernels' translation unit
+# One nvcc per source, as many at once as there are cores (the kernel families' files are
+# separate translation units for this: csrc/launch.cuh).
+compile() {
+  local src=$1 obj="$OUT/$(basename "${1%.cu}").o" extra=()
+  # The multimem file's intermediate files are kept for the PTX check below.
+  if [ "$src" = "$ptx_src" ]; then rm -rf "$keep"; mkdir -p "$keep"; extra=(-keep -keep-dir "$keep"); fi
+  "$NVCC" "${FLAGS[@]}" -Xptxas -v "${extra[@]}" -c "$src" -o "$obj" 2> "$obj.log"
+  echo $? > "$obj.rc"
+}
+jobs_max=$(nproc 2>/dev/null || echo 2)
+for src in csrc/*.cu; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  echo "nvcc $src -> $OUT/$(basename "${src%.cu}").o"
+  rm -f "$OUT/$(basename "${src%.cu}").o.rc"
+  compile "$src" &
+done
+wait
 for src in csrc/*.cu; do
   obj="$OUT/$(basename "${src%.cu}").o"
-  echo "nvcc $src -> $obj"
-  extra=()
-  # ops.cu's intermediate files are kept for the PTX check below (saves a separate -ptx pass).
-  if [ "$src" = csrc/ops.cu ]; then
-    rm -rf "$keep"; mkdir -p "$keep"; extra=(-keep -keep-dir "$keep")
-  fi
-  if ! "$NVCC" "${FLAGS[@]}" -Xptxas -v "${extra[@]}" -c "$src" -o "$obj" 2> "$obj.log"; then
-    cat "$obj.log"; status=1
+  if [ "$(cat "$obj.rc" 2>/dev/null)" != 0 ]; then
+    echo "FAILED: $src"; cat "$obj.log"; status=1
   elif grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$obj.log"; then
-    echo "note: register spills above (not an error)"
+    echo "note: register spills above in $src (not an error)"
   fi
 done
 # PTX of the multimem kernels for sm_90: must contain the NVLink SHARP instructions (compiled,
 # never run; below sm_90 they are traps).
-ptx="$OUT/ops.sm90.ptx"
+ptx="$OUT/multimem.sm90.ptx"
 rm -f "$ptx"
 if [[ " ${OURS[*]} " != *compute_90,* ]]; then
   echo "note: 90 is not among the archs: no multimem PTX check"
@@ -79,7 +92,7 @@ elif [ "$status" -eq 0 ]; then
       [ "$n" -gt 0 ] || { echo "missing $insn in PTX"; status=1; }
     done
   else
-    echo "no sm_90 PTX of ops.cu in $keep"; status=1
+    echo "no sm_90 PTX of $ptx_src in $keep"; status=1
   fi
 fi
 rm -rf "$keep"

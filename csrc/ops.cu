@@ -25,17 +25,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
+#include "launch.cuh"
 #include "tokenweave/copy_engine.cuh"
-#include "tokenweave/fused_allreduce_rmsnorm.cuh"
-#include "tokenweave/gemm_reduce.cuh"
-#include "tokenweave/multimem.cuh"
 #include "tokenweave/oneshot.cuh"
-#include "tokenweave/twoshot.cuh"
 
 namespace tokenweave {
 
@@ -101,24 +96,6 @@ Communicator& comm_of(int64_t handle) {
               "tokenweave: not a live communicator handle (destroyed, or never created)");
   return *c;
 }
-
-struct LaunchShape {
-  int vpt;
-  int threads;
-};
-
-LaunchShape launch_shape(int64_t hidden) {
-  const int64_t hv = hidden / kVecElems;
-  for (int vpt = 1; vpt <= kMaxVecsPerThread; vpt *= 2) {
-    const int64_t t = (hv + vpt - 1) / vpt;
-    if (t <= kMaxThreads) return {vpt, static_cast<int>(((t + 31) / 32) * 32)};
-  }
-  TORCH_CHECK(false, "tokenweave: hidden ", hidden, " too large (max ",
-              kMaxThreads * kMaxVecsPerThread * kVecElems, ")");
-  return {0, 0};
-}
-
-int np_bucket(int64_t world) { return world <= 2 ? 2 : (world <= 4 ? 4 : 8); }
 
 // The kernels move 16-byte vectors (and bulk copies of whole rows) from and to every tensor.
 void check_aligned(const at::Tensor& t, const char* name) {
@@ -279,56 +256,6 @@ int bulk_stages(const Communicator& c, int64_t hidden, int64_t elem_bytes) {
   return n < 2 ? 0 : static_cast<int>(n < kMaxStages ? n : kMaxStages);
 }
 
-// cudaFuncSetAttribute once per kernel instantiation (`done` is that instantiation's own flag
-// word) and device, before its first launch there.
-template <typename Kernel>
-void allow_stage_smem(Kernel kernel, std::atomic<uint64_t>& done) {
-  int dev = 0;
-  TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "tokenweave: cudaGetDevice failed");
-  const uint64_t bit = uint64_t{1} << (dev & 63);
-  if (done.load(std::memory_order_acquire) & bit) return;
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStageSmemBytes);
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaFuncSetAttribute failed: ",
-              cudaGetErrorString(err));
-  done.fetch_or(bit, std::memory_order_acq_rel);
-}
-
-template <typename T, int NP, int VPT>
-void launch_bulk(const FusedParams& p, int grid, int threads, int stages, cudaStream_t stream) {
-  static std::atomic<uint64_t> smem_set{0};  // one per <T, NP, VPT>
-  auto kernel = fused_allreduce_rmsnorm_bulk_kernel<T, NP, VPT>;
-  allow_stage_smem(kernel, smem_set);
-  const size_t smem = static_cast<size_t>(stages) * (p.world + 1) * p.hidden * sizeof(T);
-  kernel<<<grid, threads, smem, stream>>>(p, stages);
-}
-
-// Calls f(NP, VPT) with both as std::integral_constant for the runtime (np, vpt): the one place
-// where the kernels' template instantiations are chosen.
-template <typename F>
-void with_np_vpt(int np, int vpt, F&& f) {
-  auto by_vpt = [&](auto np_c) {
-    switch (vpt) {
-      case 1: f(np_c, std::integral_constant<int, 1>{}); break;
-      case 2: f(np_c, std::integral_constant<int, 2>{}); break;
-      case 4: f(np_c, std::integral_constant<int, 4>{}); break;
-      default: f(np_c, std::integral_constant<int, 8>{}); break;
-    }
-  };
-  switch (np) {
-    case 2: by_vpt(std::integral_constant<int, 2>{}); break;
-    case 4: by_vpt(std::integral_constant<int, 4>{}); break;
-    default: by_vpt(std::integral_constant<int, 8>{}); break;
-  }
-}
-
-void check_launch() {
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
-}
-
-int grid_of(int64_t units, int64_t ctas) { return static_cast<int>(units < ctas ? units : ctas); }
-
 // Calls f(T) with T the CUDA type of `dt` (bf16 or fp16; make_params checked it).
 template <typename F>
 void with_dtype(at::ScalarType dt, F&& f) {
@@ -348,25 +275,6 @@ void on_stream(const at::Tensor& partial, const FusedParams& p, F&& f) {
   with_dtype(partial.scalar_type(), [&](auto t) { f(t, stream); });
 }
 
-// The SM-driven barrier paths: the bulk-copy pipeline where its stages fit, else registers.
-template <typename T>
-void launch_barrier_path(const Communicator& c, const FusedParams& p, int64_t ctas,
-                         cudaStream_t stream) {
-  const LaunchShape s = launch_shape(p.hidden);
-  const int stages = bulk_stages(c, p.hidden, sizeof(T));
-  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
-    constexpr int NP = decltype(np_c)::value, VPT = decltype(vpt_c)::value;
-    if (stages > 0) {
-      launch_bulk<T, NP, VPT>(p, grid_of(p.rows, ctas), s.threads, stages, stream);
-    } else {
-      constexpr int kRows = rows_per_iter(NP, VPT);
-      fused_allreduce_rmsnorm_kernel<T, NP, VPT>
-          <<<grid_of((p.rows + kRows - 1) / kRows, ctas), s.threads, 0, stream>>>(p);
-    }
-  });
-  check_launch();
-}
-
 // The one-shot path takes replicated-layout calls whose P rows per row fit one receive buffer,
 // where the communicator allows it.
 bool use_oneshot(const Communicator& c, const FusedParams& p, int64_t elem_bytes) {
@@ -381,39 +289,6 @@ bool use_twoshot(const Communicator& c, const FusedParams& p) {
 }
 
 template <typename T>
-void launch_twoshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
-  const LaunchShape s = launch_shape(p.hidden);
-  const int64_t chunk_rows = (p.rows + p.world - 1) / p.world;
-  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
-    fused_allreduce_rmsnorm_twoshot_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
-        <<<grid_of(chunk_rows, ctas), s.threads, 0, stream>>>(p);
-  });
-  check_launch();
-}
-
-template <typename T>
-void launch_oneshot(const FusedParams& p, int64_t ctas, cudaStream_t stream) {
-  const LaunchShape s = launch_shape(p.hidden);
-  with_np_vpt(np_bucket(p.world), s.vpt, [&](auto np_c, auto vpt_c) {
-    fused_allreduce_rmsnorm_oneshot_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
-        <<<grid_of(p.rows, ctas), s.threads, 0, stream>>>(p);
-  });
-  check_launch();
-}
-
-// UNTESTED HERE (multicast is forbidden on this project's machines): see multimem.cuh.
-template <typename T>
-void launch_multimem(const FusedParams& p, int64_t ctas, char* mc, cudaStream_t stream) {
-  const LaunchShape s = launch_shape(p.hidden);
-  // The switch reduces: no per-rank template parameter (any np picks the same kernel).
-  with_np_vpt(2, s.vpt, [&](auto, auto vpt_c) {
-    fused_allreduce_rmsnorm_multimem_kernel<T, decltype(vpt_c)::value>
-        <<<grid_of(p.rows, ctas), s.threads, 0, stream>>>(p, mc);
-  });
-  check_launch();
-}
-
-template <typename T>
 void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaStream_t stream) {
   if (c.multicast_base != 0)
     launch_multimem<T>(p, ctas, reinterpret_cast<char*>(c.multicast_base), stream);
@@ -422,7 +297,7 @@ void launch_sm(const Communicator& c, const FusedParams& p, int64_t ctas, cudaSt
   else if (use_twoshot(c, p))
     launch_twoshot<T>(p, ctas, stream);
   else
-    launch_barrier_path<T>(c, p, ctas, stream);
+    launch_barrier_path<T>(p, ctas, bulk_stages(c, p.hidden, sizeof(T)), stream);
 }
 
 // One GEMM-fused call's geometry (ops/segments.py Segments.geometry): inbox set `set`, its rows
@@ -497,12 +372,7 @@ void launch_gemm_reduce(const Communicator& c, const FusedParams& p, int64_t cta
                          kInboxTagWords + s.set * kMaxRanks + c.rank;
     }
   }
-  const LaunchShape shape = launch_shape(p.hidden);
-  with_np_vpt(np_bucket(p.world), shape.vpt, [&](auto np_c, auto vpt_c) {
-    gemm_reduce_rmsnorm_kernel<T, decltype(np_c)::value, decltype(vpt_c)::value>
-        <<<grid_of(s.seg_rows, ctas), shape.threads, 0, stream>>>(p, g);
-  });
-  check_launch();
+  launch_gemm_reduce_kernel<T>(p, g, s.seg_rows, ctas, stream);
 }
 
 // The copy-engine data path (copy_engine.cuh): `c.sources` are the fused kernel's bases on this
@@ -555,7 +425,7 @@ void launch_copy_engine(const Communicator& c, const FusedParams& p, int64_t cta
   FusedParams local = p;
   local.bases = c.sources.data_ptr<int64_t>();
   local.copy_engine = 1;
-  launch_barrier_path<T>(c, local, ctas, stream);
+  launch_barrier_path<T>(local, ctas, bulk_stages(c, p.hidden, sizeof(T)), stream);
   if (gather_normed) {  // pull every peer's normed chunk
     barrier(kCeMid, true);
     for (int64_t q = 0; q < c.world; ++q) {

@@ -14,16 +14,20 @@
 //      peer, then each row it owns (rows b, b+G, ...; G CTAs, the same on every rank) of this
 //      rank's partial, with -0.0 replaced by +0.0 (same value; keeps "empty" unique), into slot
 //      [rank][row] of buffer i of every peer: posted 16-byte NVLink stores, no waiting;
-//   2. check: thread q polls tag slot [q][b] of its own buffer i until it holds no "empty" word
-//      and compares it with its own: another tag, round or row count is a peer on another call
-//      (kCallMismatch, naming it, both rounds and both tags), and the CTA gives up before it
-//      reads any of that peer's rows;
-//   3. poll: for each of its rows every thread re-reads (volatile) its 16-byte vectors of slot
+//   2. poll: for each of its rows every thread re-reads (volatile) its 16-byte vectors of slot
 //      [q][row], q != rank, until none of its 16-bit words holds "empty" (so only 16-bit
 //      writes need to arrive whole, which aligned stores always do);
+//   3. check: thread q also polls tag slot [q][b] of its own buffer i, in the same spin as its
+//      first vector of peer q's first row (both reads in flight at once: no round trip of its
+//      own), and compares it with its own: another tag, round or row count is a peer on another
+//      call (kCallMismatch, naming it, both rounds and both tags; the row it polled is not
+//      waited for). The CTA's first barrier, which every output store waits for, then makes
+//      every thread give up (NaN outputs), and threads still polling that peer's rows stop
+//      (s_abort) instead of waiting for the timeout: no row of another call is combined into an
+//      output;
 //   4. sums the P rows in rank order in fp32 (its own partial sanitized the same way: every rank
 //      sums bit-identical values, so the replicated outputs are identical), adds the residual,
-//      stores residual_out, normalizes, stores normed_out locally;
+//      and after the row's barrier stores residual_out, normalizes, stores normed_out locally;
 //   5. resets buffer (r - 1) % 3 of its own header (the rows and tag slots round r - 1 used,
 //      pad.oneshot_vecs / oneshot_ctas[(r - 1) % 3]) to "empty";
 //   6. the last CTA to finish records round r's extent and advances oneshot_round.
@@ -103,17 +107,41 @@ __device__ __forceinline__ bool holds_empty(const Vec16& v) {
   return e;
 }
 
+// Whether polling should stop: timeout_ns have passed since t0, or another thread of the CTA
+// found a peer on another call (*abort). Checked every 256 spins.
+__device__ __forceinline__ bool give_up(uint32_t& spins, uint64_t t0, uint64_t timeout_ns,
+                                        const volatile int* abort) {
+  return (++spins & 255u) == 0 && (*abort || global_timer_ns() - t0 > timeout_ns);
+}
+
+enum Arrival : int { kArrived = 0, kGaveUp = 1, kOtherCall = 2 };
+
 // Re-read (volatile) the 16-byte vector at `src` into `x` until none of its 16-bit words reads
-// "empty"; false once timeout_ns have passed since t0 (then `x` is what was last read).
-__device__ __forceinline__ bool arrived(const char* src, Vec16& x, uint64_t t0,
-                                        uint64_t timeout_ns) {
-  x = load_volatile_vec(src);
+// "empty" and, where `tag_src` is given (a peer's tag vector, the thread that checks it), that
+// vector into `theirs` in the same spin until it arrived, so both reads are in flight at once:
+// kArrived once both are in and the tag equals `mine`; kOtherCall as soon as the tag arrived
+// and differs (the row may never come: it is not waited for); kGaveUp on give_up (`x` is then
+// what was last read). One loop for every thread of a warp, whether it checks a tag or not:
+// a separate spin for the checking lanes would run after (not beside) the others' spins. No
+// `src` (nullptr): the tag alone.
+__device__ __forceinline__ int arrived(const char* src, Vec16& x, const char* tag_src,
+                                       Vec16& theirs, const Vec16& mine, uint64_t t0,
+                                       uint64_t timeout_ns, const volatile int* abort) {
+  x = src != nullptr ? load_volatile_vec(src) : mine;
+  if (tag_src != nullptr) theirs = load_volatile_vec(tag_src);
   uint32_t spins = 0;
-  while (holds_empty(x)) {
-    if ((++spins & 255u) == 0 && global_timer_ns() - t0 > timeout_ns) return false;
-    x = load_volatile_vec(src);
+  for (;;) {
+    bool tag_in = true;
+    if (tag_src != nullptr) {
+      tag_in = !holds_empty(theirs);
+      if (tag_in && !same_vec(theirs, mine)) return kOtherCall;
+    }
+    const bool row_in = !holds_empty(x);
+    if (tag_in && row_in) return kArrived;
+    if (give_up(spins, t0, timeout_ns, abort)) return kGaveUp;
+    if (!tag_in) theirs = load_volatile_vec(tag_src);
+    if (!row_in) x = load_volatile_vec(src);
   }
-  return true;
 }
 
 template <typename T, int kNp, int kVpt>
@@ -122,6 +150,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ float s_red[2][kMaxThreads / 32];
   __shared__ uint32_t s_round;
   __shared__ int s_fail;
+  __shared__ int s_abort;  // a thread found a peer on another call: stop polling
 
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
@@ -132,6 +161,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (tid == 0) {
     s_fail = *reinterpret_cast<volatile uint32_t*>(&self->error[0]) != kOk;
     s_round = self->oneshot_round;
+    s_abort = 0;
   }
   __syncthreads();
   if (s_fail) {  // an earlier launch timed out: NaN until the host raises the error
@@ -179,26 +209,25 @@ __global__ void __launch_bounds__(kMaxThreads)
   int failed = 0;  // this thread gave up on a peer's rows (then stores nothing more)
   Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
 
-  // 2. every peer's CTA b is on this very call, before any of its rows is read.
-  if (check && tid < world && tid != p.rank) {
-    const char* src = inbox + kOneShotRoundBytes +
-                      (static_cast<int64_t>(tid) * kMaxCtas + b) * kVecBytes;
-    Vec16 theirs;
-    if (!arrived(src, theirs, t0, p.timeout_ns)) {
-      record_error(self, kTimeoutArrival, tid, b, r);
-      failed = 1;
-    } else if (!same_vec(theirs, my_tag)) {
-      record_error(self, kCallMismatch, tid, b, r, tag_field(theirs, 1), p.tag,
+  // Thread q < world (q != rank) checks that peer q's CTA b is on this very call (step 3).
+  const char* tag_src = inbox + kOneShotRoundBytes +
+                        (static_cast<int64_t>(tid) * kMaxCtas + b) * kVecBytes;
+  bool watch = check && tid < world && tid != p.rank;
+  // A failed arrival: peer q on another call (its tag, read by thread q) or given up on; on
+  // another call every thread of the CTA stops polling (s_abort), and the CTA's next barrier
+  // makes it give up.
+  auto fail = [&](int got, int q, const Vec16& theirs) {
+    if (got == kOtherCall) {
+      record_error(self, kCallMismatch, q, b, r, tag_field(theirs, 1), p.tag,
                    tag_field(theirs, 0));
-      failed = 1;
+      *const_cast<volatile int*>(&s_abort) = 1;  // after record_error's fence: the error is in
+    } else {
+      record_error(self, kTimeoutArrival, q, b, r);
     }
-  }
-  if (__syncthreads_or(failed)) {
-    poison_outputs(p, nan_pair<T>());
-    return;
-  }
+    failed = 1;
+  };
 
-  // 3.-4. poll, reduce, normalize.
+  // 2.-4. poll (and check), reduce, normalize.
   for (int row = b; row < p.rows; row += grid, parity ^= 1) {
     float y[kVpt][8];
     float ss = 0.f;
@@ -215,10 +244,12 @@ __global__ void __launch_bounds__(kMaxThreads)
         } else {
           const char* src =
               inbox + (static_cast<int64_t>(q) * p.rows + row) * row_bytes + col * kVecBytes;
-          if (!arrived(src, x, t0, p.timeout_ns)) {
-            record_error(self, kTimeoutArrival, q, b, r);
-            failed = 1;
-          }
+          const bool checks = watch && q == tid;  // this thread's first vector of peer q
+          Vec16 theirs;
+          const int got = arrived(src, x, checks ? tag_src : nullptr, theirs, my_tag, t0,
+                                  p.timeout_ns, &s_abort);
+          if (checks) watch = false;
+          if (got != kArrived) fail(got, q, theirs);
         }
         if (q == 0)
           set_vec<T>(y[v], x);
@@ -227,10 +258,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
       add_vec<T>(y[v], reinterpret_cast<const Vec16*>(
                            static_cast<const char*>(p.residual) + row * row_bytes)[col]);
-      if (!failed)
-        reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
-            pack_vec<T>(y[v]);
       add_squares(ss, y[v]);
+    }
+    if (watch) {  // no column of the row for this thread (hidden < 8 * world): the tag alone
+      Vec16 none, theirs;
+      const int got = arrived(nullptr, none, tag_src, theirs, my_tag, t0, p.timeout_ns, &s_abort);
+      watch = false;
+      if (got != kArrived) fail(got, tid, theirs);
     }
     publish_warp_sum(ss, s_red[parity]);
     // One answer for every thread (a per-thread flag, not shared memory a faster thread could
@@ -239,6 +273,10 @@ __global__ void __launch_bounds__(kMaxThreads)
       poison_outputs(p, nan_pair<T>());
       return;
     }
+    for_each_vec<kVpt>(hv, [&](int v, int col) {
+      reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
+          pack_vec<T>(y[v]);
+    });
     if (!norm) continue;
     const float rs = block_rstd(s_red[parity], inv_h, p.eps);
     emit_normed<T, kVpt>(p, row, y, rs, w, acc, [&](int, int col, const Vec16& o) {
