@@ -180,6 +180,9 @@ def _plot(result: dict, path: str) -> None:
     for ax_row, dtype in zip(axes, dtypes, strict=False):
         for ax, model in zip(ax_row, models, strict=True):
             lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
+            if not any(r["model"] == model and r.get("dtype", "bf16") == dtype for r in rows):
+                ax.set_visible(False)  # a joined file without this model in this dtype
+                continue
             for gemm in GEMMS:
                 for tp in sorted({r["tp"] for r in rows}):
                     ratios = [[by[(model, gemm, tp, t, dtype, "cublas", p)]
@@ -213,7 +216,7 @@ def _plot(result: dict, path: str) -> None:
                 color="black", label="tokenweave")
         ax.set_ylabel("cuBLAS time / GEMM time (median over shards)")
         ax.set_title(f"{model}: CUTLASS cluster shapes", fontsize=9)
-    for ax in axes.flat:
+    for ax in (a for a in axes.flat if a.get_visible()):
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(0.98, color="red", lw=0.6, ls="--")
         ax.set_xscale("log", base=2)
