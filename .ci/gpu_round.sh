@@ -7,7 +7,10 @@
 # installed without its core wheel makes `import megatron.core` raise. The first phase run
 # builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`
 # in a staging call did not build it on 2026-11-30).
-# Results and per-step logs under $OUT. Phases, one or more per call (`gpu_round.sh moe_tests
+# Results under $OUT; per-step logs under /tmp/gpu_round_logs there, packed into one
+# $OUT/logs.tgz at the end (a call brings back at most 8 files from $OUT: results first). The
+# extension builds with one nvcc per kernel family in parallel (~50 s on 16 cores).
+# Phases, one or more per call (`gpu_round.sh moe_tests
 # moe_bench`; each phase fits one 10-minute device call):
 #   tune   split-policy tables for the 70B/Qwen shapes (hidden 8192), both layouts, graph and
 #          eager, on TE (4-layer blocks: one call per model); copied to
@@ -45,8 +48,10 @@
 #          Flask, dynamic engine, OpenAI-server soak and SIGTERM stop; the CUDA-graph ones skip):
 #          stage.sh fa4 and .ci/stage_serve.sh carried, TE optional
 #   gemm   the GEMM-fused mechanism on one GPU: its protocol with 2, 4 and 8 ranks sharing the GPU,
-#          the woven layer's parity with it (ranks sharing the GPU), and the communicating GEMM
-#          against cuBLAS / TE (bench gemm_fused; TE rows where `stage.sh te` was carried)
+#          the woven layer's parity with it (ranks sharing the GPU)
+#   gemm_sweep  the communicating GEMM against cuBLAS / TE (bench gemm_fused's default sweep:
+#          23 counts, every dense family, TP 2/4/8, 10 replays; TE rows where `stage.sh te` was
+#          carried), bf16 (~6 min); gemm_sweep_fp16 the same in fp16
 #   gemm_cutlass  the communicating GEMM beside CUTLASS's sm90 kernels and cluster shapes (bench
 #          gemm_fused --cutlass; needs `stage.sh cutlass` carried; builds the reference, minutes)
 #   gemm2  the GEMM-fused mechanism on 2 GPUs: its protocol test across NVLink, then the row GEMM +
@@ -70,14 +75,16 @@
 #          split_cost --fp8-recipe), 70B shards at TP 2 and 8
 #   fp8_rows  the fused op writing the next linear's input in FP8 (`stage.sh te` carried): its
 #          GPU test against the reference and TE's quantizers (TP 2 and 4), bench fp8_rows at
-#          TP 2 and 4, then the woven FP8 layer tests that have not run with FP8 rows in use
-#          (TP 4 parity, hybrid, graph replays, the padding wrapper, the checkpoint both ways)
+#          TP 2 and 4 (~2 min together)
+#   fp8_rows_layer  the woven FP8 layer tests that have not run with FP8 rows in use (TP 4
+#          parity, hybrid, graph replays, the padding wrapper, the checkpoint both ways)
 #   serve_hybrid  the serving tests of GPTModel and HybridModel with ranks sharing one GPU, but
 #          the OpenAI soak and the SIGTERM stop (fa4 and .ci/stage_serve.sh carried)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
-out=${OUT:-/tmp/out}; logs="$out/logs"; mkdir -p "$logs"
+out=${OUT:-/tmp/out}; logs=/tmp/gpu_round_logs; mkdir -p "$out" "$logs"
+trap 'tar czf "$out/logs.tgz" -C /tmp gpu_round_logs 2>/dev/null' EXIT
 quiet() { grep -v "arn\|DEPRECATED\|func(\|^\s*$" ; }
 step() {
   local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))"
@@ -93,8 +100,11 @@ case "$phase" in
   gemm)
     TAIL=6 step gemm_protocol 420 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py
     TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
-    TAIL=64 step gemm_bench 300 python -m megatron_tokenweave.bench gemm_fused --passes 3 \
-      --out "$out/gemm_fused_1gpu.json"
+    ;;
+  gemm_sweep|gemm_sweep_fp16)
+    dt=bf16; [ "$phase" = gemm_sweep ] || dt=fp16
+    TAIL=4 step "gemm_sweep_$dt" 560 python -m megatron_tokenweave.bench gemm_fused --dtypes "$dt" \
+      --iters 10 --out "$out/gemm_fused_1gpu_$dt.json"
     ;;
   fp8)
     TAIL=30 step fp8_layer 560 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k fp8
@@ -106,8 +116,10 @@ case "$phase" in
     ;;
   fp8_rows)
     TAIL=8 step fp8_rows_op 420 python -m pytest -x -v -s tests/gpu/test_fp8_rows_gpu.py
-    TAIL=30 step fp8_rows_bench 300 python -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
-      --out "$out/fp8_rows_1gpu.json"
+    TAIL=34 step fp8_rows_bench 300 python -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
+      --iters 20 --out "$out/fp8_rows_1gpu.json"
+    ;;
+  fp8_rows_layer)
     TAIL=30 step fp8_rows_layer 560 python -m pytest -v -s tests/gpu/test_layer_gpu.py \
       -k "(fp8_logits and 4-) or fp8_hybrid or fp8_under or fp8_delayed_scaling"
     ;;
