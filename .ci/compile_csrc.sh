@@ -56,8 +56,9 @@ compile() {
   local src=$1 obj="$OUT/$(basename "${1%.cu}").o" extra=()
   # The multimem file's intermediate files are kept for the PTX check below.
   if [ "$src" = "$ptx_src" ]; then rm -rf "$keep"; mkdir -p "$keep"; extra=(-keep -keep-dir "$keep"); fi
-  "$NVCC" "${FLAGS[@]}" -Xptxas -v "${extra[@]}" -c "$src" -o "$obj" 2> "$obj.log"
-  echo $? > "$obj.rc"
+  local rc=0  # (set -e is on in this job's subshell too)
+  "$NVCC" "${FLAGS[@]}" -Xptxas -v "${extra[@]}" -c "$src" -o "$obj" 2> "$obj.log" || rc=$?
+  echo "$rc" > "$obj.rc"
 }
 jobs_max=$(nproc 2>/dev/null || echo 2)
 for src in csrc/*.cu; do

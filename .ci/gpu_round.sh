@@ -7,8 +7,9 @@
 # installed without its core wheel makes `import megatron.core` raise. The first phase run
 # builds the extension (`python -m pip install -v ...` below, ~100 s; a bare `pip install -q -e .`
 # in a staging call did not build it on 2026-11-30).
-# Results under $OUT; per-step logs under /tmp/gpu_round_logs there, packed into one
-# $OUT/logs.tgz at the end (a call brings back at most 8 files from $OUT: results first). The
+# Results under $OUT; the per-step logs of the call in /tmp/gpu_round_logs on the device
+# machine, packed into one $OUT/logs.tgz after every step (a call brings back at most 8 files
+# from $OUT, so results and one archive; a call killed at its limit keeps the steps before). The
 # extension builds with one nvcc per kernel family in parallel (~50 s on 16 cores).
 # Phases, one or more per call (`gpu_round.sh moe_tests
 # moe_bench`; each phase fits one 10-minute device call):
@@ -83,13 +84,13 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENWEAVE_CACHE=/tmp/twcache
-out=${OUT:-/tmp/out}; logs=/tmp/gpu_round_logs; mkdir -p "$out" "$logs"
-trap 'tar czf "$out/logs.tgz" -C /tmp gpu_round_logs 2>/dev/null' EXIT
+out=${OUT:-/tmp/out}; logs=/tmp/gpu_round_logs; rm -rf "$logs"; mkdir -p "$out" "$logs"
+pack_logs() { tar czf "$out/logs.tgz" -C /tmp gpu_round_logs 2>/dev/null; }
 quiet() { grep -v "arn\|DEPRECATED\|func(\|^\s*$" ; }
 step() {
   local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))"
   timeout "$limit" "$@" 2>&1 | quiet > "$logs/$name.log"; local rc=${PIPESTATUS[0]}
-  tail -"${TAIL:-12}" "$logs/$name.log"; echo "-- $name rc=$rc"; return "$rc"
+  tail -"${TAIL:-12}" "$logs/$name.log"; echo "-- $name rc=$rc"; pack_logs; return "$rc"
 }
 python -c "import torch, megatron_tokenweave._C" 2>/dev/null \
   || step build 200 python -m pip install -v --no-build-isolation --no-deps -e .

@@ -30,7 +30,8 @@
 
 #include "launch.cuh"
 #include "tokenweave/copy_engine.cuh"
-#include "tokenweave/oneshot.cuh"
+#include "tokenweave/signal.cuh"
+#include "tokenweave/twoshot.cuh"
 
 namespace tokenweave {
 

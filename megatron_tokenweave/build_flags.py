@@ -82,8 +82,8 @@ def nvcc_flags(archs: Sequence[int] | str | None = None) -> list[str]:
 
 
 def parallel_flags(archs: Sequence[int]) -> list[str]:
-    """With several archs, nvcc compiles them in parallel (one thread per core): ops.cu's
-    instantiations take minutes per arch."""
+    """With several archs, nvcc compiles them in parallel (one thread per core): a kernel
+    family's instantiations take minutes per arch on a small machine."""
     return ["--threads=0"] if len(archs) > 1 else []
 
 

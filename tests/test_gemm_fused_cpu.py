@@ -394,3 +394,23 @@ def test_gemm_fused_plot_draws_one_or_several_models(tmp_path, cutlass, passes):
         path = tmp_path / f"{len(models)}_{cutlass}_{passes}.png"
         gemm_fused._plot(dict(gpu="H200", rows=rows), str(path))
         assert path.stat().st_size > 0
+
+
+def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
+    """bench gemm_fused's plot of rows joined from several runs (docs/results/gemm_fused_1gpu.json
+    is one): a model timed in bf16 only beside one timed in both dtypes, and a run with fewer TP
+    sizes and counts than another; the missing panel is left empty."""
+    pytest.importorskip("matplotlib")
+    from megatron_tokenweave.bench import gemm_fused
+
+    gen = torch.Generator().manual_seed(1)
+    runs = [("llama-3-8b", "bf16", (2, 4, 8), (512, 513, 1024)),
+            ("llama-3-8b", "fp16", (2, 8), (512, 1024)),
+            ("qwen2.5-7b", "bf16", (4,), (777,))]
+    rows = [dict(model=m, gemm=g, tp=tp, tokens=t, dtype=d, impl=i,
+                 us=10.0 + torch.rand((), generator=gen).item())
+            for m, d, tps, counts in runs for g in gemm_fused.GEMMS for tp in tps
+            for t in counts for i in ("cublas", "tokenweave")]
+    path = tmp_path / "joined.png"
+    gemm_fused._plot(dict(gpu="H200", rows=rows), str(path))
+    assert path.stat().st_size > 0

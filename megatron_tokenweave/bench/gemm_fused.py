@@ -179,12 +179,13 @@ def _plot(result: dict, path: str) -> None:
                              squeeze=False)
     for ax_row, dtype in zip(axes, dtypes, strict=False):
         for ax, model in zip(ax_row, models, strict=True):
-            lengths = sorted({r["tokens"] for r in rows if r["model"] == model})
-            if not any(r["model"] == model and r.get("dtype", "bf16") == dtype for r in rows):
+            mine = [r for r in rows if r["model"] == model and r.get("dtype", "bf16") == dtype]
+            if not mine:
                 ax.set_visible(False)  # a joined file without this model in this dtype
                 continue
+            lengths = sorted({r["tokens"] for r in mine})
             for gemm in GEMMS:
-                for tp in sorted({r["tp"] for r in rows}):
+                for tp in sorted({r["tp"] for r in mine}):
                     ratios = [[by[(model, gemm, tp, t, dtype, "cublas", p)]
                                / by[(model, gemm, tp, t, dtype, "tokenweave", p)]
                                for p in passes] for t in lengths]

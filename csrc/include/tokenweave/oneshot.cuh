@@ -19,12 +19,13 @@
 //      writes need to arrive whole, which aligned stores always do);
 //   3. check: thread q also polls tag slot [q][b] of its own buffer i, in the same spin as its
 //      first vector of peer q's first row (both reads in flight at once: no round trip of its
-//      own), and compares it with its own: another tag, round or row count is a peer on another
-//      call (kCallMismatch, naming it, both rounds and both tags; the row it polled is not
-//      waited for). The CTA's first barrier, which every output store waits for, then makes
-//      every thread give up (NaN outputs), and threads still polling that peer's rows stop
-//      (s_abort) instead of waiting for the timeout: no row of another call is combined into an
-//      output;
+//      own; a thread without a column of the row, hidden < 8 * world, polls the tag alone), and
+//      compares it with its own: another tag, round or row count is a peer on another call
+//      (kCallMismatch, naming it, both rounds and both tags; the row it polled is not waited
+//      for). The CTA's first barrier, which every output store waits for, then makes every
+//      thread give up (NaN outputs), and the CTA's threads stop polling any peer's rows
+//      (s_abort) instead of waiting for the timeout: no row of another call reaches an output.
+//      Every CTA has rows (grid <= rows: launch_oneshot.cu), so every CTA checks;
 //   4. sums the P rows in rank order in fp32 (its own partial sanitized the same way: every rank
 //      sums bit-identical values, so the replicated outputs are identical), adds the residual,
 //      and after the row's barrier stores residual_out, normalizes, stores normed_out locally;
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
   const uint64_t t0 = global_timer_ns();
   int parity = 0;
-  int failed = 0;  // this thread gave up on a peer's rows (then stores nothing more)
+  int failed = 0;  // this thread gave up (a timeout, or a peer on another call): NaN outputs
   Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
 
   // Thread q < world (q != rank) checks that peer q's CTA b is on this very call (step 3).
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (got == kOtherCall) {
       record_error(self, kCallMismatch, q, b, r, tag_field(theirs, 1), p.tag,
                    tag_field(theirs, 0));
-      *const_cast<volatile int*>(&s_abort) = 1;  // after record_error's fence: the error is in
+      atomicExch(&s_abort, 1);  // after record_error's fence: the error is in
     } else {
       record_error(self, kTimeoutArrival, q, b, r);
     }
