@@ -650,6 +650,52 @@ def _divergence(group, rank, dev) -> None:
         _divergence_case(group, rank, dev, *case, graphed)
         _progress(rank, dist.get_world_size(group), f"divergence: {case[0]}, graphed={graphed}")
     os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
+    _divergence_of_shape(group, rank, dev)
+    _progress(rank, dist.get_world_size(group), "divergence: one-shot, a call of another shape")
+
+
+def _divergence_of_shape(group, rank, dev) -> None:
+    """One-shot path: the last rank makes call SKIPPED with fewer rows than its peers (another
+    call by shape: its tag differs and some rows its peers poll never come). Every rank stops
+    at once on the peer's tag (the CTA's polls abort: well inside the 2 s timeout), writes NaN,
+    and raises naming a peer on another call; the next call is NaN at once (sticky)."""
+    from megatron_tokenweave.communicator import Communicator, KernelFailure
+    from megatron_tokenweave.ops.validate import Layout
+
+    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "2"
+    world, hidden, dtype, n, fewer = dist.get_world_size(group), 2048, torch.bfloat16, 8, 5
+    missing = world - 1
+    comm = Communicator(group, 4 * n + 8, hidden, dtype, dev, "kernel")
+    w = (1.0 + 0.1 * _gen(41, (hidden,), dtype, dev)).to(dtype)
+
+    def call(i: int, rows: int) -> torch.Tensor:
+        part = comm.partial[:rows].view(1, rows, hidden)
+        part.copy_(_gen(7500 + 10 * i + rank, (1, rows, hidden), dtype, dev))
+        out = torch.empty(rows, hidden, dtype=dtype, device=dev)
+        normed = torch.empty(1, rows, hidden, dtype=dtype, device=dev)
+        comm.allreduce_rmsnorm(part, _gen(7600 + i, (rows, hidden), dtype, dev), w, EPS, out,
+                               normed, Layout.REPLICATED, ctas=4, comm="fused", call=i % SITES)
+        return torch.cat([out.flatten(), normed.flatten()])
+
+    for i in range(SKIPPED):  # in step (and compiled, the buffers made)
+        assert call(i, n).isfinite().all()
+    torch.cuda.synchronize()
+    comm.raise_if_failed()
+    dist.barrier(group)
+    t0 = time.monotonic()
+    other = call(SKIPPED, fewer if rank == missing else n)
+    after = call(SKIPPED + 1, n)
+    comm.record_errors()
+    torch.cuda.synchronize()
+    took = time.monotonic() - t0
+    what = f"rank {rank}/{world}: {took:.2f} s"
+    assert other.isnan().all() and after.isnan().all(), what
+    assert took < 1.0, f"{what}: waited for the timeout, not stopped on the peer's tag"
+    with pytest.raises(KernelFailure, match="is on another call"):
+        comm.raise_if_failed()
+    dist.barrier(group)
+    comm.destroy()
+    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
 def _divergence_case(group, rank, dev, name: str, layout_name: str, n: int, kind: str,
