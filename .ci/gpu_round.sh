@@ -67,9 +67,10 @@
 #   calls  the kernel protocol with 2, 4 and 8 ranks sharing one GPU, the divergence checks (a
 #          rank that misses a call) among them, then what the call check costs the one-shot
 #          path (bench call_check)
-#   gemm_diag  where the communicating GEMM falls short of cuBLAS at counts that are not powers
-#          of two: each tile shape forced and cuBLAS over the covered rows (bench gemm_fused
-#          --breakdown), three families' shards at TP 2 and 8
+#   gemm_diag  where the communicating GEMM falls short of cuBLAS: each tile shape forced and
+#          cuBLAS over the covered rows (bench gemm_fused --breakdown) at the counts just past a
+#          wave of tiles that the sweep found short (513-5003), three families' shards at TP 2
+#          and 8 (what the ping-pong wave estimate's fix and a split tail would be judged on)
 #   fp8    FP8 through the woven layer with ranks sharing one GPU (`stage.sh te` carried): GPTModel
 #          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
 #          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
@@ -259,7 +260,7 @@ case "$phase" in
     ;;
   gemm_diag)
     TAIL=70 step gemm_diag 420 python -m megatron_tokenweave.bench gemm_fused --breakdown \
-      --models llama-3.3-70b llama-3-8b qwen2.5-32b --tp 2 8 --tokens 777 1000 1531 3001 6143 \
+      --models llama-3.3-70b llama-3-8b qwen2.5-32b --tp 2 8 --tokens 513 641 777 1279 3001 5003 \
       --iters 10 --out "$out/gemm_diag_1gpu.json"
     ;;
   serve_hybrid)
