@@ -649,20 +649,20 @@ def _divergence(group, rank, dev) -> None:
     for case, graphed in itertools.product(DIVERGENCE_PATHS, (False, True)):
         _divergence_case(group, rank, dev, *case, graphed)
         _progress(rank, dist.get_world_size(group), f"divergence: {case[0]}, graphed={graphed}")
-    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
     _divergence_of_shape(group, rank, dev)
     _progress(rank, dist.get_world_size(group), "divergence: one-shot, a call of another shape")
+    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
 def _divergence_of_shape(group, rank, dev) -> None:
     """One-shot path: the last rank makes call SKIPPED with fewer rows than its peers (another
     call by shape: its tag differs and some rows its peers poll never come). Every rank stops
     at once on the peer's tag (the CTA's polls abort: well inside the 2 s timeout), writes NaN,
-    and raises naming a peer on another call; the next call is NaN at once (sticky)."""
+    and raises naming a peer on another call; the next call is NaN at once (sticky). Runs
+    inside _divergence's 2 s kernel timeout."""
     from megatron_tokenweave.communicator import Communicator, KernelFailure
     from megatron_tokenweave.ops.validate import Layout
 
-    os.environ["TOKENWEAVE_KERNEL_TIMEOUT_S"] = "2"
     world, hidden, dtype, n, fewer = dist.get_world_size(group), 2048, torch.bfloat16, 8, 5
     missing = world - 1
     comm = Communicator(group, 4 * n + 8, hidden, dtype, dev, "kernel")
@@ -695,7 +695,6 @@ def _divergence_of_shape(group, rank, dev) -> None:
         comm.raise_if_failed()
     dist.barrier(group)
     comm.destroy()
-    os.environ.pop("TOKENWEAVE_KERNEL_TIMEOUT_S")
 
 
 def _divergence_case(group, rank, dev, name: str, layout_name: str, n: int, kind: str,
