@@ -251,4 +251,5 @@ class WovenForward:
             for op in pending:
                 op.wait()
             pending = tuple(Pending() for _ in self.halves)  # a capture may not wait on others'
-        return Handoff(self.out, self.normed, self.halves, pending, last.written_input())
+        return Handoff(self.out, self.normed, self.halves, pending, last.written_input(),
+                       reads=(last.residual,) if defer else ())

@@ -78,8 +78,9 @@ def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40,
     def fused(self, partial, residual, weight, *args, original=Communicator.allreduce_rmsnorm,
               **kwargs):
         stream = "side" if state["side"] else "main"
+        touched = [residual, args[1]] + ([args[2]] if isinstance(args[2], torch.Tensor) else [])
         log.append(("fused", stream, weight is None, partial.shape[1],
-                    kwargs.get("phase", "whole")))
+                    kwargs.get("phase", "whole"), {_storage(t) for t in touched}))
         return original(self, partial, residual, weight, *args, **kwargs)
 
     patches = [
@@ -101,12 +102,25 @@ def _record(world: int, comm: str = "fused", sp: bool = True, tokens: int = 40,
     try:
         for i, layer in enumerate(model.decoder.layers):
             layer.register_forward_pre_hook(lambda *_, i=i: log.append(("begin", i)))
+            layer.register_forward_hook(lambda layer, *_, i=i: log.append(
+                ("held", _held(layer._chain.pending))))
             layer.register_forward_hook(lambda *_, i=i: log.append(("end", i)))
         forward(model, torch.randint(0, SHAPE[world].vocab, (1, tokens)))
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
     return log
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _held(handoff) -> set[int]:
+    """The storages a layer's hand-off keeps alive for its pending ops."""
+    if handoff is None:
+        return set()
+    return {_storage(t) for t in (handoff.residual, handoff.normed, *handoff.reads)}
 
 
 HYBRID = "*-*-"
@@ -268,3 +282,19 @@ def test_the_chain_runs_across_hybrid_layers(logs):
             tail_waits = [e[1] for e in entries[fused[-1]:] if e[0] == "wait"]
             assert set(events) <= set(tail_waits), entries
         handed_off = events
+
+
+@pytest.mark.parametrize("which", [0, 2], ids=["gpt", "hybrid"])
+def test_a_handed_off_op_reads_only_what_the_hand_off_keeps(logs, which):
+    """Every tensor a layer's last ops read or write while the successor has not yet waited for
+    them (the ops whose events cross the layer's end) is kept alive by the layer's hand-off:
+    the caller frees a layer's input when it returns, and memory the caching allocator hands
+    to the successor's main-stream work must not be what a pending side-stream op reads (a
+    one-stage hybrid layer's op adds the layer's input)."""
+    layers = _split_layers(logs[which])
+    for index, entries in enumerate(layers[:-1]):
+        fused = [e for e in entries if e[0] == "fused"]
+        crossing = fused[-2:]  # the last stage's two halves: their events cross the layer's end
+        held = next(e[1] for e in entries if e[0] == "held")
+        for entry in crossing:
+            assert entry[5] <= held, (index, entry, held)
