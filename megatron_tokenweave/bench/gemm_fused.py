@@ -106,7 +106,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             impls["te"] = lambda x, te=te: te(x[:tokens])
         if cutlass:
             impls.update(_cutlass_impls(w, out[:tokens], tokens))
-        _check(impls, inbox, seg, xs[0], out[:tokens])
+        _check(impls, inbox, {"tokenweave": seg, **forced}, xs[0], out[:tokens])
         with torch.no_grad():
             graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
                       for impl, fn in impls.items()}
@@ -132,9 +132,9 @@ def _cutlass_impls(w: torch.Tensor, out: torch.Tensor, tokens: int) -> dict[str,
             for name in cutlass_gemm.CONFIGS}
 
 
-def _check(impls: dict, inbox, seg, x: torch.Tensor, out: torch.Tensor) -> None:
-    """The communicating GEMM's tiles, in every owner's slot of rank 0, and every CUTLASS
-    configuration's output (poisoned first) equal cuBLAS's rows."""
+def _check(impls: dict, inbox, segs: dict, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Every communicating GEMM's tiles (`segs`: its segments by impl), in every owner's slot of
+    rank 0 (poisoned first), and every CUTLASS configuration's output equal cuBLAS's rows."""
     impls["cublas"](x)
     want = out.clone()
     for impl in (i for i in impls if i.startswith("cutlass_")):
@@ -144,15 +144,17 @@ def _check(impls: dict, inbox, seg, x: torch.Tensor, out: torch.Tensor) -> None:
         torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2,
                                    msg=lambda m, impl=impl: f"{impl}: {m}")
     out.copy_(want)
-    for slots in inbox.owner_slots:
-        slots.fill_(float("nan"))
-    impls["tokenweave"](x)
-    torch.cuda.synchronize()
-    for c, slots in enumerate(inbox.owner_slots):
-        n = seg.length(c)
-        got = slots[0, seg.row0:seg.row0 + n].float()
-        want = out[c * seg.rows:c * seg.rows + n].float()
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for impl, seg in segs.items():
+        for slots in inbox.owner_slots:
+            slots.fill_(float("nan"))
+        impls[impl](x)
+        torch.cuda.synchronize()
+        for c, slots in enumerate(inbox.owner_slots):
+            n = seg.length(c)
+            got = slots[0, seg.row0:seg.row0 + n].float()
+            torch.testing.assert_close(got, out[c * seg.rows:c * seg.rows + n].float(),
+                                       rtol=2e-2, atol=2e-2,
+                                       msg=lambda m, impl=impl, c=c: f"{impl}, owner {c}: {m}")
 
 
 def _plot(result: dict, path: str) -> None:
