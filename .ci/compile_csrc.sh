@@ -80,11 +80,11 @@ done
 # never run; below sm_90 they are traps).
 ptx="$OUT/multimem.sm90.ptx"
 rm -f "$ptx"
-if [[ " ${OURS[*]} " != *compute_90,* ]]; then
+if [[ " ${OURS[*]} " != *compute_90a,* ]]; then
   echo "note: 90 is not among the archs: no multimem PTX check"
 elif [ "$status" -eq 0 ]; then
   for f in "$keep"/*.ptx; do  # nvcc names it by the number of archs: pick it by its target
-    if [ -f "$f" ] && grep -q -m1 "^\.target sm_90\b" "$f"; then mv "$f" "$ptx"; break; fi
+    if [ -f "$f" ] && grep -q -m1 "^\.target sm_90a\?\b" "$f"; then mv "$f" "$ptx"; break; fi
   done
   if [ -f "$ptx" ]; then
     for insn in multimem.ld_reduce multimem.st; do

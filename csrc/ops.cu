@@ -8,6 +8,9 @@
 //                           ctas, path, tag, normed_scales!, scaling)
 //   gemm_reduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
 //                       ctas, segments, tag)
+//   fit_gemm(x, weight, bias?, regions, geometry, ctas): the GEMM-fused mechanism's row-parallel
+//       GEMM with tiles fitted to the call (fit_gemm.cuh), storing into the inboxes at `regions`;
+//       it takes no communicator (a benchmark's loopback inbox has none).
 // `tag` is the call's tag (signal.cuh: every rank passes the same for the same call; a peer on
 // another call is an error, never a combination of two calls' rows); `segments` the GEMM-fused
 // call's geometry as one list (SegmentGeometry); `normed_scales` / `scaling` describe FP8 normed
@@ -30,6 +33,7 @@
 
 #include "launch.cuh"
 #include "tokenweave/copy_engine.cuh"
+#include "tokenweave/fit_gemm_host.cuh"
 #include "tokenweave/signal.cuh"
 #include "tokenweave/twoshot.cuh"
 
@@ -604,6 +608,113 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
   });
 }
 
+// The fitted communicating GEMM: partial rows of x [rows, K] @ weight [n_out, K]^T (+ bias on
+// one rank) into every owner's inbox slot. `regions`: each rank's inbox region as this rank maps
+// it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
+// slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start].
+void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+              at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.device() == x.device(),
+              "tokenweave: fit_gemm takes contiguous 2-D x and weight on one CUDA device");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && weight.scalar_type() == dt,
+              "tokenweave: fit_gemm: x and weight must both be bf16 or both fp16");
+  const int64_t k = x.size(1), n_out = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "tokenweave: fit_gemm: x has ", k, " in-features, weight ",
+              weight.size(1));
+  TORCH_CHECK(k % kVecElems == 0 && n_out % kVecElems == 0 && k > 0 && n_out > 0,
+              "tokenweave: fit_gemm: in- and out-features must be positive multiples of 8 "
+              "(16-byte rows), got ", k, " and ", n_out);
+  check_aligned(x, "x");
+  check_aligned(weight, "weight");
+  if (bias) {
+    TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == dt &&
+                    bias->is_contiguous() && bias->numel() == n_out,
+                "tokenweave: fit_gemm: bias must be a contiguous [out-features] tensor of x's "
+                "dtype on its device");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  int major = 0, minor = 0;
+  const int device = x.get_device();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TORCH_CHECK(major == 9 && minor == 0, "tokenweave: fit_gemm needs an sm_90 GPU (wgmma, TMA), "
+              "this one is sm_", major, minor);
+  TORCH_CHECK(geometry.size() == 12, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
+              "slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, "
+              "cooperative, start], got ", geometry.size(), " entries");
+  const int64_t world = static_cast<int64_t>(regions.size());
+  TORCH_CHECK(world >= 1 && world <= kMaxRanks, "tokenweave: fit_gemm takes 1..", kMaxRanks,
+              " inbox regions, got ", world);
+  const int64_t slots_off = geometry[0], rank = geometry[1], slot_rows = geometry[2];
+  const int64_t row0 = geometry[3], first = geometry[4], step = geometry[5];
+  const int64_t groups = geometry[6], group_rows = geometry[7], seg_rows = geometry[8];
+  const int64_t bn = geometry[9], coop = geometry[10], start = geometry[11];
+  TORCH_CHECK(rank >= 0 && rank < world && slots_off >= 0 && slot_rows > 0,
+              "tokenweave: fit_gemm: rank ", rank, " of ", world, ", slots at ", slots_off,
+              " of ", slot_rows, " rows");
+  TORCH_CHECK(groups == 1 || groups == world, "tokenweave: fit_gemm: groups must be 1 "
+              "(replicated) or the world (sequence parallel), got ", groups);
+  TORCH_CHECK(group_rows >= 1 && seg_rows >= 1 && (groups == 1 ? seg_rows * world >= group_rows
+                                                                 : seg_rows == group_rows),
+              "tokenweave: fit_gemm: ", group_rows, " rows do not split into ", world,
+              " segments of ", seg_rows);
+  TORCH_CHECK(first >= 0 && step >= 0 && first + (groups - 1) * step + group_rows <= x.size(0),
+              "tokenweave: fit_gemm: rows [", first, ", +", group_rows, ") of ", groups,
+              " groups ", step, " apart exceed x's ", x.size(0), " rows");
+  TORCH_CHECK(row0 >= 0 && row0 + seg_rows <= slot_rows, "tokenweave: fit_gemm: inbox rows [",
+              row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
+  TORCH_CHECK(bn >= fit::kMinBN && bn <= fit::kMaxBN && bn % 8 == 0,
+              "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
+              fit::kMaxBN, ", got ", bn);
+  TORCH_CHECK(coop == 0 || coop == 1, "tokenweave: fit_gemm: cooperative must be 0 or 1");
+  TORCH_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *
+                  n_out < (int64_t{1} << 40), "tokenweave: fit_gemm: too many rows");
+  fit::FitGemmParams p{};
+  for (int64_t q = 0; q < kMaxRanks; ++q) p.regions[q] = regions[q < world ? q : 0];
+  for (int64_t q = 0; q < world; ++q)
+    TORCH_CHECK(regions[q] != 0 && (regions[q] + slots_off) % kVecBytes == 0,
+                "tokenweave: fit_gemm: inbox region ", q, " is null or not 16-byte aligned");
+  p.slots_off = slots_off;
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.n_out = static_cast<int>(n_out);
+  p.k = static_cast<int>(k);
+  p.rank = static_cast<int>(rank);
+  p.slot_rows = static_cast<int>(slot_rows);
+  p.row0 = static_cast<int>(row0);
+  p.first = static_cast<int>(first);
+  p.step = static_cast<int>(step);
+  p.groups = static_cast<int>(groups);
+  p.group_rows = static_cast<int>(group_rows);
+  p.seg_rows = static_cast<int>(seg_rows);
+  p.inv_seg_rows = 1.0f / static_cast<float>(seg_rows);
+  p.group_tiles = static_cast<int>((group_rows + bn - 1) / bn);
+  const int tile_m = coop ? 2 * fit::kBM : fit::kBM;
+  p.m_tiles = static_cast<int>((n_out + tile_m - 1) / tile_m);
+  p.tiles = p.m_tiles * p.groups * p.group_tiles;
+  p.start = static_cast<int>(start % (p.groups * p.group_tiles));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const bool bf16 = dt == at::kBFloat16;
+  const int b = static_cast<int>(bn), g = static_cast<int>(ctas);
+  const fit::LaunchStatus status =
+      coop ? (bf16 ? fit::launch<__nv_bfloat16, true>(x.data_ptr(), x.size(0), weight.data_ptr(),
+                                                      p, b, g, stream)
+                   : fit::launch<__half, true>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b,
+                                               g, stream))
+           : (bf16 ? fit::launch<__nv_bfloat16, false>(x.data_ptr(), x.size(0),
+                                                       weight.data_ptr(), p, b, g, stream)
+                   : fit::launch<__half, false>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b,
+                                                g, stream));
+  TORCH_CHECK(status != fit::LaunchStatus::kNoDriverEntry,
+              "tokenweave: fit_gemm: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver)");
+  TORCH_CHECK(status != fit::LaunchStatus::kTensorMap,
+              "tokenweave: fit_gemm: the driver refused the operands' tensor maps");
+  TORCH_CHECK(status == fit::LaunchStatus::kOk, "tokenweave: fit_gemm launch failed: ",
+              cudaGetErrorString(cudaGetLastError()));
+}
+
 }  // namespace tokenweave
 
 TORCH_LIBRARY(tokenweave, m) {
@@ -627,6 +738,9 @@ TORCH_LIBRARY(tokenweave, m) {
       "gemm_reduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
       "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int[] segments, "
       "int tag) -> ()");
+  m.def(
+      "fit_gemm(Tensor x, Tensor weight, Tensor? bias, int[] regions, int[] geometry, int ctas) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {
@@ -634,6 +748,7 @@ TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {
   m.impl("comm_attach_mirror", &tokenweave::comm_attach_mirror);
   m.impl("fused_allreduce_rmsnorm", &tokenweave::fused_allreduce_rmsnorm);
   m.impl("gemm_reduce_rmsnorm", &tokenweave::gemm_reduce_rmsnorm);
+  m.impl("fit_gemm", &tokenweave::fit_gemm);
 }
 
 #ifdef TORCH_EXTENSION_NAME

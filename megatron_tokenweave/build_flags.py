@@ -6,9 +6,9 @@ runs this file: `python megatron_tokenweave/build_flags.py nvcc --archs "80;90"`
 only; nothing here imports torch.
 
 TOKENWEAVE_CUDA_ARCHS picks the GPU targets: compute capabilities without the dot, separated by
-";" or "," (default "90", Hopper; "80;90" adds A100). Below sm_90 the device code of the bulk-copy
-and multimem paths is a trap (csrc/include/tokenweave/bulk_copy.cuh); ops.cu never launches them
-there.
+";" or "," (default "90", Hopper, built as sm_90a; "80;90" adds A100). Below sm_90 the device code
+of the bulk-copy and multimem paths and of the fitted GEMM is a trap
+(csrc/include/tokenweave/bulk_copy.cuh, fit_gemm.cuh); ops.cu never launches them there.
 torch adds its own flags on top of these (COMMON_NVCC_FLAGS, -DTORCH_EXTENSION_NAME, the C++ ABI).
 """
 
@@ -69,9 +69,16 @@ def parse_archs(spec: str | None = None) -> list[int]:
     return sorted(archs)
 
 
+def target(arch: int) -> str:
+    """The nvcc target of an arch: Hopper's architecture-specific sm_90a (wgmma and setmaxnreg,
+    which the fitted GEMM needs; its SASS runs on sm_90 GPUs only, as sm_90's does), the plain
+    target elsewhere."""
+    return "90a" if arch == 90 else str(arch)
+
+
 def gencode_flags(archs: Sequence[int]) -> list[str]:
     """One -gencode per arch: SASS for exactly that arch (no PTX for later ones)."""
-    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return [f"-gencode=arch=compute_{target(a)},code=sm_{target(a)}" for a in archs]
 
 
 def nvcc_flags(archs: Sequence[int] | str | None = None) -> list[str]:

@@ -256,6 +256,9 @@ class Communicator:
         self.kernel = None
         self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
         self._inbox = None  # prepare_gemm(): kernels.GemmInbox, or the emulation's slots
+        # prepare_gemm(): the fitted GEMM kernel runs here (ops/segments.tiles_for may pick it;
+        # every rank of a node has the same GPUs and build, so every rank picks alike)
+        self.fitted_gemm = False
         self._fp8_rows = None  # prepare_fp8_rows(): (e4m3 rows, each half's scales)
         self._errors = None  # pinned int32 [ERROR_WORDS], copied by record_errors()
         if self.backend == "kernel":
@@ -386,12 +389,14 @@ class Communicator:
                 "the GEMM-fused inbox is made on the first eager call; run one forward with "
                 "comm='gemm' before capturing a CUDA graph")
         if self.backend == "kernel":
+            from megatron_tokenweave.kernels._ext import fitted_gemm_available
             from megatron_tokenweave.kernels.inbox import GemmInbox
 
             _check_gemm_support(self.device)
             self._inbox = GemmInbox.create(self.group, self.max_tokens, self.hidden, self.dtype,
                                            self.device, self.agreement.timeout_s)
             self._inbox.attach(self.kernel.handle)
+            self.fitted_gemm = fitted_gemm_available(self.device)
         else:
             world = dist.get_world_size(self.group)
             self._inbox = torch.zeros(world, slot_rows(self.max_tokens, world), self.hidden,

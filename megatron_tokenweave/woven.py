@@ -144,7 +144,7 @@ class WovenForward:
         layer sit (the woven halves never share inbox rows)."""
         seg = half_segments(self.layout, self.world, self.halves, i, hidden=weight.shape[0],
                             k=weight.shape[1], ctas=self.gemm_ctas, first=rows.offset,
-                            chunk_stride=x.shape[1])
+                            chunk_stride=x.shape[1], fitted=self.comm.fitted_gemm)
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
                            ctas=self.gemm_ctas, call=self.site * 2 + i, validate=self.validate)

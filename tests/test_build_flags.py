@@ -33,7 +33,7 @@ def _load_setup_py():
 def test_default_is_hopper():
     assert parse_archs() == [90]
     assert build_flags.nvcc_flags() == [*build_flags.NVCC_BASE_FLAGS,
-                                         "-gencode=arch=compute_90,code=sm_90"]
+                                         "-gencode=arch=compute_90a,code=sm_90a"]
 
 
 @pytest.mark.parametrize("value, archs", [
@@ -43,8 +43,9 @@ def test_default_is_hopper():
 def test_env_arch_list(monkeypatch, value, archs):
     monkeypatch.setenv("TOKENWEAVE_CUDA_ARCHS", value)
     assert parse_archs() == archs
+    target = {90: "90a"}  # Hopper builds its architecture-specific target (wgmma)
     assert build_flags.nvcc_flags()[-len(archs):] == [
-        f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        f"-gencode=arch=compute_{target.get(a, a)},code=sm_{target.get(a, a)}" for a in archs]
     assert ("--threads=0" in build_flags.nvcc_flags()) == (len(archs) > 1)
 
 

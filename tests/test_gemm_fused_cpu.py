@@ -23,6 +23,13 @@ from megatron_tokenweave.bench.gemm_pair import even_halves
 from megatron_tokenweave.communicator import Communicator, WorkspaceCapacityError
 from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.segments import (
+    FIT_BELOW,
+    FIT_COOP_MAX_WAVES,
+    FIT_COOP_MIN_ROWS,
+    FIT_MAX_ROWS,
+    FIT_MIN_CALL,
+    FIT_MIN_ROWS,
+    FIT_TILE_COST,
     LARGE,
     MIN_BLOCK_ROWS,
     PINGPONG,
@@ -34,12 +41,14 @@ from megatron_tokenweave.ops.segments import (
     TILES,
     WIDE,
     estimated_time,
+    fitted_tiles,
     half_segments,
     release_for,
     row_blocks,
     segments,
     slot_rows,
     tiles_for,
+    wave_efficiency,
 )
 from megatron_tokenweave.schedule import Half
 
@@ -52,19 +61,22 @@ OUTPUTS = ((4096, 1024, 132), (8192, 3584, 116), (5120, 3584, 8))
 
 
 def _calls(layout: Layout, world: int, n: int, split: bool, hidden: int = 4096, k: int = 1024,
-           ctas: int = 132):
-    """(half, segments) of each call of one woven forward with n rows a chunk."""
+           ctas: int = 132, fitted: bool = False):
+    """(half, segments) of each call of one woven forward with n rows a chunk (fitted: the
+    fitted kernel's tiles forced)."""
     halves = even_halves(n, split)
     return [(h, half_segments(layout, world, halves, i, hidden=hidden, k=k, ctas=ctas,
-                              first=h.offset, chunk_stride=n))
+                              first=h.offset, chunk_stride=n,
+                              tiles=fitted_tiles(layout, world, h.rows, hidden, ctas)
+                              if fitted else None))
             for i, h in enumerate(halves)]
 
 
 @pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
 def test_segments_cover_every_row_once_and_halves_never_share_inbox_rows(layout, world):
     chunks = world if layout is Layout.SEQUENCE_PARALLEL else 1
-    for n, split, out in itertools.product(ROWS, (False, True), OUTPUTS):
-        calls = _calls(layout, world, n, split, *out)
+    for n, split, out, fitted in itertools.product(ROWS, (False, True), OUTPUTS, (False, True)):
+        calls = _calls(layout, world, n, split, *out, fitted=fitted)
         covered: list[int] = []
         spans = []
         for half, seg in calls:
@@ -74,7 +86,10 @@ def test_segments_cover_every_row_once_and_halves_never_share_inbox_rows(layout,
             if layout is Layout.SEQUENCE_PARALLEL:
                 assert all(seg.length(c) == half.rows for c in range(world))
             else:
-                assert seg.rows % seg.tiles.block_rows == 0
+                # whole row blocks per owner for the Triton kernels, as even as can be for the
+                # fitted one (it finds each row's owner)
+                want = -(-half.rows // world)
+                assert (seg.rows == want if fitted else seg.rows % seg.tiles.block_rows == 0)
                 assert sum(seg.length(c) for c in range(world)) == half.rows
             spans.append(set(range(seg.row0, seg.row0 + seg.rows)))
         want = sorted(c * n + r for c in range(chunks) for half, _ in calls
@@ -92,10 +107,12 @@ def test_every_call_up_to_max_tokens_fits_a_slot_and_its_flags(layout, world):
     sp = layout is Layout.SEQUENCE_PARALLEL
     for tokens in range(world if sp else 1, max_tokens + 1, 37 * world if sp else 37):
         n = tokens // world if sp else tokens
-        for split, out in itertools.product((False, True), OUTPUTS):
-            for _, seg in _calls(layout, world, n, split, *out):
+        for split, out, fitted in itertools.product((False, True), OUTPUTS, (False, True)):
+            for i, (_, seg) in enumerate(_calls(layout, world, n, split, *out, fitted=fitted)):
                 assert seg.row0 + seg.rows <= capacity, (tokens, split, seg)
-                assert seg.blocks() * seg.tiles.block_rows // MIN_BLOCK_ROWS <= blocks
+                _, _, rows, block_rows, col_tiles, _ = seg.geometry(i, out[0])
+                assert -(-rows // block_rows) * block_rows // MIN_BLOCK_ROWS <= blocks
+                assert col_tiles <= -(-out[0] // 128)
 
 
 @pytest.mark.parametrize("layout,world", list(itertools.product(LAYOUTS, (2, 4, 8))))
@@ -228,9 +245,101 @@ def test_forced_release_replaces_the_pick(layout):
         segments(layout, 2, 100, hidden=4096, k=1024, ctas=132, release="cta")
 
 
+FIT_LAYOUT_CASES = list(itertools.product(LAYOUTS, (2, 4, 8),
+                                          ((8192, 132), (4096, 132), (5120, 116), (3584, 8))))
+
+
+@pytest.mark.parametrize("layout,world,shape", FIT_LAYOUT_CASES)
+def test_fitted_tiles_fit_the_call(layout, world, shape):
+    """The fitted kernel's token extent: a multiple of 8 in FIT_MIN_ROWS..FIT_MAX_ROWS with the
+    fewest waves x (extent + FIT_TILE_COST), the largest on ties; cooperative (both consumers
+    on 256 weight rows) exactly where that mode's pick takes at most FIT_COOP_MAX_WAVES waves of
+    at least FIT_COOP_MIN_ROWS tokens."""
+    hidden, ctas = shape
+    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
+
+    def best(cooperative, rows):
+        m = -(-hidden // (256 if cooperative else 128))
+        costs = {e: -(-m * groups * -(-rows // e) // ctas) * (e + FIT_TILE_COST)
+                 for e in range(FIT_MIN_ROWS, FIT_MAX_ROWS + 1, 8)}
+        extent = max(e for e, c in costs.items() if c == min(costs.values()))
+        return -(-m * groups * -(-rows // extent) // ctas), extent
+
+    for rows in (1, 7, 100, 512, 513, 641, 777, 1279, 4099, 5003, 16383):
+        t = fitted_tiles(layout, world, rows, hidden, ctas)
+        waves, extent = best(True, rows)
+        cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
+        assert t.fitted and t.cooperative == cooperative, rows
+        assert t.block_rows == (extent if cooperative else best(False, rows)[1]), rows
+        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= FIT_MAX_ROWS
+        assert t.block_cols == (256 if cooperative else 128) and t.consumers == 2
+
+
+@pytest.mark.parametrize("layout,world,shape", FIT_LAYOUT_CASES)
+def test_fitted_kernel_takes_calls_where_the_triton_tiles_waste_waves(layout, world, shape):
+    """Where the fitted kernel runs (`fitted`), it takes the calls of at least FIT_MIN_CALL rows
+    whose Triton pick covers the call's area at under FIT_BELOW of its waves; elsewhere, and
+    wherever it does not run, the Triton pick stands."""
+    hidden, ctas = shape
+    k = 4096
+    for rows in range(1, 5000, 37):
+        triton = tiles_for(layout, world, rows, hidden, k, ctas)
+        assert not triton.fitted
+        total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
+        waste = wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW
+        got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
+        assert got == (fitted_tiles(layout, world, rows, hidden, ctas)
+                       if total >= FIT_MIN_CALL and waste else triton), rows
+
+
+def test_fitted_kernel_of_the_measured_shapes():
+    """Counts just past a wave of the Triton tiles take the fitted kernel (Llama-3.3-70B's
+    o_proj at 513 and 777 tokens, TP 2 and 8; Llama-3-8B's at 513); the powers of two keep the
+    Triton kernels (docs/kernel.md, "The fitted kernel")."""
+    rep = Layout.REPLICATED
+    for world, k in ((2, 4096), (8, 1024)):
+        for tokens in (513, 777):
+            assert tiles_for(rep, world, tokens, 8192, k, 132, fitted=True).fitted, tokens
+        for tokens in (512, 1024, 2048, 4096, 8192):
+            assert not tiles_for(rep, world, tokens, 8192, k, 132, fitted=True).fitted, tokens
+    assert tiles_for(rep, 2, 513, 4096, 2048, 132, fitted=True).fitted
+    t = tiles_for(rep, 2, 513, 8192, 4096, 132, fitted=True)
+    # 4 x 136 tokens by 32 x 256 weight rows: one wave of 128 cooperative tiles
+    assert (t.block_rows, t.cooperative) == (136, True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fitted_segments_are_released_by_their_consumer(layout):
+    """The fitted kernel's rows are published by the consumer (one flag per source: the
+    segment is one block of one tile in the consumer's geometry); forcing the GEMM's release
+    keeps the Triton kernels, and forcing it on fitted tiles is refused. Its own geometry: the
+    token groups (sequence parallel: one per owner) and the first tile, the one holding segment
+    rank + 1's first row."""
+    world, rows, hidden = 4, 1031, 8192
+    t = fitted_tiles(layout, world, rows, hidden, 132)
+    seg = segments(layout, world, rows, hidden=hidden, k=1024, ctas=132, tiles=t)
+    assert seg.release == "consumer" and seg.tiles is t
+    assert seg.geometry(1, hidden) == [1, seg.row0, seg.rows, seg.rows, 1, 1]
+    picked = segments(layout, world, rows, hidden=hidden, k=1024, ctas=132, fitted=True,
+                      release="gemm")
+    assert not picked.tiles.fitted and picked.release == "gemm"
+    with pytest.raises(TokenWeaveInputError, match="released by its consumer"):
+        segments(layout, world, rows, hidden=hidden, k=1024, ctas=132, tiles=t, release="gemm")
+    geo = seg.fitted_geometry(256, 2, 4000, world)
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    groups, group_rows = (world, rows) if sp else (1, rows)
+    assert geo[:9] == [256, 2, 4000, seg.row0, seg.first, seg.step, groups, group_rows, seg.rows]
+    assert geo[9:11] == [t.block_rows, int(t.cooperative)]
+    if sp:  # group 3's first tile
+        assert geo[11] == 3 * -(-rows // t.block_rows)
+    else:  # the tile holding segment 3's first row
+        assert geo[11] * t.block_rows <= 3 * seg.rows < (geo[11] + 1) * t.block_rows
+
+
 # --------------------------------------------------------------------------- emulation
 def _emulation_worker(rank: int, world: int) -> list[tuple]:
-    """Per case: (layout, rows, split, bias, max |got - want| of residual_out and normed)."""
+    """Per case: (layout, rows, split, bias, fitted tiles, max |got - want| / max |want| of
+    residual_out and normed: fp32 sums of every rank's partials in two orders)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -238,8 +347,8 @@ def _emulation_worker(rank: int, world: int) -> list[tuple]:
     comm = Communicator(group, 8 * 130, hidden, torch.float32, torch.device("cpu"), "reference")
     comm.prepare_gemm()
     results = []
-    for layout, n, split, bias_on in itertools.product(LAYOUTS, (1, 7, 64, 130), (False, True),
-                                                       (False, True)):
+    for layout, n, split, bias_on, fitted in itertools.product(
+            LAYOUTS, (1, 7, 64, 130), (False, True), (False, True), (False, True)):
         sp = layout is Layout.SEQUENCE_PARALLEL
         chunks = world if sp else 1
         gen = torch.Generator().manual_seed(n * 7 + split)
@@ -261,25 +370,25 @@ def _emulation_worker(rank: int, world: int) -> list[tuple]:
         got_res = torch.full((n, hidden), float("nan"))
         normed = comm.normed[:chunks * n].view(chunks, n, hidden)
         normed.fill_(float("nan"))
-        for i, (h, seg) in enumerate(_calls(layout, world, n, split, hidden, k, 1)):
+        for i, (h, seg) in enumerate(_calls(layout, world, n, split, hidden, k, 1, fitted)):
             comm.row_gemm(xs[rank], ws[rank], bias if rank == 0 else None, seg, i, ctas=1)
             part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)].view(
                 chunks, h.rows, hidden)
             rows = slice(h.offset, h.offset + h.rows)
             comm.allreduce_rmsnorm(part, residual[rows], norm, EPS, got_res[rows],
                                    h.of(normed), layout, comm="gemm", segments=seg, set_index=i)
-        results.append((layout.value, n, split, bias_on,
-                        (got_res - want_res).abs().max().item(),
-                        (normed - want_normed).abs().max().item()))
+        results.append((layout.value, n, split, bias_on, fitted,
+                        ((got_res - want_res).abs().max() / want_res.abs().max()).item(),
+                        ((normed - want_normed).abs().max() / want_normed.abs().max()).item()))
     return results
 
 
 @pytest.mark.parametrize("world", (2, 4, 8))
 def test_emulation_equals_the_reference(world):
     for rank_results in run_ranks(_emulation_worker, world=world):
-        assert len(rank_results) == 32
-        for layout, n, split, bias, err_res, err_normed in rank_results:
-            where = (layout, n, split, bias)
+        assert len(rank_results) == 64
+        for layout, n, split, bias, fitted, err_res, err_normed in rank_results:
+            where = (layout, n, split, bias, fitted)
             assert err_res <= 1e-5 and err_normed <= 1e-5, (where, err_res, err_normed)
 
 
@@ -414,3 +523,38 @@ def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
     path = tmp_path / "joined.png"
     gemm_fused._plot(dict(gpu="H200", rows=rows), str(path))
     assert path.stat().st_size > 0
+
+
+def test_fitted_launcher_refuses_bad_input():
+    """kernels/owner_gemm.check_fitted_gemm: what the fitted kernel cannot take is a
+    TokenWeaveInputError before the op (bf16/fp16 of one dtype, 2-D contiguous, K and N
+    multiples of 8, bias [N], 16-byte starts, token extents in its range, rows inside x and
+    the slot)."""
+    from dataclasses import replace
+
+    from megatron_tokenweave.kernels.owner_gemm import check_fitted_gemm
+
+    tiles = fitted_tiles(Layout.REPLICATED, 2, 300, 512, 132)
+    seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, tiles=tiles)
+    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    w = torch.randn(512, 256, dtype=torch.bfloat16)
+    check_fitted_gemm(x, w, None, seg, slot_rows=400, world=2)  # a call it takes
+    bad = [
+        (dict(x=x.float()), "bf16 or fp16"),
+        (dict(bias=torch.randn(512, dtype=torch.float16)), "one dtype"),
+        (dict(x=x.t()), "contiguous 2-D"),
+        (dict(x=x[:, :100].contiguous(), w=w[:, :100].contiguous()), "multiples of 8"),
+        (dict(w=w[:500].contiguous()), "multiples of 8"),
+        (dict(bias=torch.randn(500, dtype=torch.bfloat16)), r"bias must be \[512\]"),
+        (dict(x=torch.randn(301 * 256 + 1, dtype=torch.bfloat16)[1:].view(301, 256)),
+         "16-byte aligned"),
+        (dict(seg=replace(seg, tiles=replace(tiles, block_rows=184))), "multiple of 8 tokens"),
+        (dict(seg=replace(seg, tiles=replace(tiles, block_rows=20))), "multiple of 8 tokens"),
+        (dict(x=x[:200]), "x has 200"),
+        (dict(seg=replace(seg, row0=300)), "a slot has 400"),
+    ]
+    for change, match in bad:
+        args = dict(x=x, w=w, bias=None, seg=seg) | change
+        with pytest.raises(TokenWeaveInputError, match=match):
+            check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
+                              world=2)

@@ -279,15 +279,19 @@ def test_the_op_path_codes_mirror_the_cuda_enum():
 
 
 def test_segment_geometry_is_the_consumers_list():
-    """Segments.geometry: the six numbers csrc/ops.cu's SegmentGeometry reads, in its order."""
+    """Segments.geometry: the six numbers csrc/ops.cu's SegmentGeometry reads, in its order;
+    where the consumer publishes, the segment is one block of one tile (its one flag per
+    source)."""
     from megatron_tokenweave.ops.segments import segments
     from megatron_tokenweave.ops.validate import Layout
 
-    seg = segments(Layout.REPLICATED, 2, 777, hidden=8192, k=4096, ctas=132, set_index=1,
-                   first_set_rows=777)
-    geometry = seg.geometry(1, 8192)
-    assert geometry == [1, seg.row0, seg.rows, seg.tiles.block_rows,
-                        seg.tiles.col_tiles(8192), int(seg.release == "consumer")]
+    for release in ("gemm", "consumer"):
+        seg = segments(Layout.REPLICATED, 2, 777, hidden=8192, k=4096, ctas=132, set_index=1,
+                       first_set_rows=777, release=release)
+        blocks = ([seg.rows, 1] if release == "consumer"
+                  else [seg.tiles.block_rows, seg.tiles.col_tiles(8192)])
+        assert seg.geometry(1, 8192) == [1, seg.row0, seg.rows, *blocks,
+                                         int(release == "consumer")]
     text = (pathlib.Path(__file__).parents[1] / "csrc/ops.cu").read_text()
     assert "const SegmentGeometry g{list[0], list[1], list[2], list[3], list[4], list[5] != 0};" \
         in text

@@ -2,31 +2,33 @@
 
     python -m megatron_tokenweave.bench gemm_fused --out docs/results/gemm_fused_1gpu.json
 
-Per model (Llama-3.3-70B, Llama-3-8B shapes), row-parallel GEMM (o_proj, fc2), TP size (the
-rank's shard: K = in-features / TP) and token count: `cublas` (torch.matmul into a preallocated
-output), `te` (a TransformerEngine Linear of the same shard, where TE is installed),
-`tokenweave` (kernels/owner_gemm.py: its epilogue stores every tile another rank owns into that
-rank's inbox; here the TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback,
-so the stores and flags are all paid, only the NVLink is not; the policy picks who publishes
-the tiles, ops/segments.release_for) and `tokenweave_release_gemm` / `_consumer` (each
-release forced: the GEMM's CTAs fence and store flags after their last tile, or the GEMM only
-stores tiles and its consumer publishes them, which costs the consumer a flag store per rank,
-timed with the consumer on two GPUs). `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>`
-rows (bench/cutlass_gemm.py: CUTLASS's warp-specialized sm90 kernels, clusters of one CTA or
-of two sharing operand tiles through TMA multicast), the plot a second row: per cluster shape,
-the best configuration's speed relative to cuBLAS, median over the shards. Replicated layout
-(what Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS
-calls back to back on as many inputs (a graph of a single call also times its replay's launch,
-microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), bf16, medians
-per call. `--passes N` times the same graphs N times (rows carry `pass`): a 10-25 us GEMM's
-ratio moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the median
-over passes and their range. The tokenweave and CUTLASS rows are checked against cuBLAS before
-timing. The reduction that consumes the tiles needs peers: its timing is part of the 2-GPU
-kernel benchmark. `--breakdown` adds, per point, the kernel with each tile shape forced
-(`tokenweave_tiles_<name>`) and cuBLAS over the rows the picked tiles cover
-(`cublas_covered`: the call's rows rounded up to whole row blocks per segment): whether a
-shortfall is the tile pick, the padded rows, or the kernel itself.
-"""
+Per model (every dense family's shapes by default), row-parallel GEMM (o_proj, fc2), TP size
+(the rank's shard: K = in-features / TP), dtype and token count: `cublas` (torch.matmul into a
+preallocated output), `te` (a TransformerEngine Linear of the same shard, where TE is
+installed), `tokenweave` (the kernel ops/segments.tiles_for picks: a Triton kernel,
+kernels/owner_gemm*.py, or on sm_90 the fitted CUDA kernel, csrc/include/tokenweave/
+fit_gemm.cuh; its epilogue stores every row another rank owns into that rank's inbox; here the
+TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback, so the stores are all
+paid, only the NVLink is not) and, where the fitted kernel runs, the kernel the policy did not
+pick (`tokenweave_triton` or `tokenweave_fitted`). `--breakdown` adds, per point, the Triton
+kernels with each release forced (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs
+fence and store flags after their last tile, or the GEMM only stores tiles and its consumer
+publishes them, which costs the consumer a flag store per rank, timed with the consumer on two
+GPUs), with each tile shape forced (`tokenweave_tiles_<name>`) and cuBLAS over the rows the
+picked tiles cover (`cublas_covered`: the call's rows rounded up to whole row blocks per
+segment, or to whole fitted tiles): whether a shortfall is the tile pick, the padded rows, or
+the kernel itself. `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>` rows
+(bench/cutlass_gemm.py: CUTLASS's warp-specialized sm90 kernels, clusters of one CTA or of two
+sharing operand tiles through TMA multicast), the plot a second row: per cluster shape, the
+best configuration's speed relative to cuBLAS, median over the shards. Replicated layout (what
+Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS calls
+back to back on as many inputs (a graph of a single call also times its replay's launch,
+microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), medians per
+call. `--passes N` times the same graphs N times (rows carry `pass`): a 10-25 us GEMM's ratio
+moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the median over passes
+and their range. Every communicating GEMM and CUTLASS row is checked against cuBLAS before
+timing. The reduction that consumes the rows needs peers: its timing is part of the 2-GPU
+kernel benchmark."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import RELEASES, TILES, segments
+from megatron_tokenweave.ops.segments import RELEASES, TILES, fitted_tiles, segments
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
@@ -70,33 +72,43 @@ def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor],
 def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             cutlass: bool = False, passes: int = 1, breakdown: bool = False) -> list[dict]:
     """Rows of one (model, TP, tokens, dtype): every GEMM x impl x pass, in microseconds."""
+    from megatron_tokenweave.kernels._ext import fitted_gemm_available
     from megatron_tokenweave.kernels.inbox import GemmInbox
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
     dev, torch_dtype = torch.device("cuda"), DTYPES[dtype]
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    fitted = fitted_gemm_available(dev)
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
-        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
-        covered = seg.nonempty_blocks(tp) * seg.tiles.block_rows
-        forced = {f"tokenweave_release_{r}": replace(seg, release=r) for r in RELEASES}
+        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fitted=fitted)
+        # The kernel the policy did not pick, timed beside the pick.
+        other = {}
+        if fitted:
+            triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
+            other = ({"tokenweave_triton": triton} if seg.tiles.fitted else
+                     {"tokenweave_fitted": segments(
+                         Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
+                         tiles=fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms))})
+        forced = {}
         if breakdown:
+            triton = seg if not seg.tiles.fitted else other["tokenweave_triton"]
+            forced = {f"tokenweave_release_{r}": replace(triton, release=r) for r in RELEASES}
             forced.update({f"tokenweave_tiles_{t}": segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                 for t, tiles in TILES.items()})
+        covered = _covered(seg, tp)
         xs = [torch.randn(max(tokens, covered), k, device=dev, dtype=torch_dtype)
               for _ in range(CALLS)]
         w = torch.randn(n, k, device=dev, dtype=torch_dtype) / k**0.5
         out = torch.empty(max(tokens, covered), n, device=dev, dtype=torch_dtype)
         impls = {
             "cublas": lambda x, w=w, out=out: torch.matmul(x[:tokens], w.t(), out=out[:tokens]),
-            "tokenweave": lambda x, w=w, seg=seg: owner_gemm(x[:tokens], w, None, inbox, seg, 0,
-                                                             sms, 1),
             **{impl: lambda x, w=w, s=s: owner_gemm(x[:tokens], w, None, inbox, s, 0, sms, 1)
-               for impl, s in forced.items()},
+               for impl, s in {"tokenweave": seg, **other, **forced}.items()},
         }
         if breakdown:
             impls["cublas_covered"] = lambda x, w=w, o=out[:covered]: torch.matmul(
@@ -106,7 +118,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             impls["te"] = lambda x, te=te: te(x[:tokens])
         if cutlass:
             impls.update(_cutlass_impls(w, out[:tokens], tokens))
-        _check(impls, inbox, {"tokenweave": seg, **forced}, xs[0], out[:tokens])
+        _check(impls, inbox, {"tokenweave": seg, **other, **forced}, xs[0], out[:tokens])
         with torch.no_grad():
             graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
                       for impl, fn in impls.items()}
@@ -120,7 +132,18 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     return rows
 
 
+def _covered(seg, world: int) -> int:
+    """Rows the picked tiles compute: the call's rows rounded up to whole row blocks per segment
+    (Triton kernels), or to whole tiles (the fitted kernel: one run of every segment's rows)."""
+    if seg.tiles.fitted:
+        return -(-seg.total // seg.tiles.block_rows) * seg.tiles.block_rows
+    return seg.nonempty_blocks(world) * seg.tiles.block_rows
+
+
 def _tiles_name(tiles) -> str:
+    """The Triton tiles' name (TILES), or the fitted kernel's: fit<tokens>, c if cooperative."""
+    if tiles.fitted:
+        return f"fit{tiles.block_rows}{'c' if tiles.cooperative else ''}"
     return next(name for name, t in TILES.items() if t == tiles)
 
 
@@ -267,7 +290,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES),
                         help="GEMM dtypes")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also time each tile shape forced and cuBLAS over the covered rows")
+                        help="also time the Triton kernels with each tile shape and release "
+                             "forced, and cuBLAS over the covered rows")
     parser.add_argument("--passes", type=int, default=1,
                         help="times the same graphs are timed (rows carry `pass`; the spread)")
     add_sweep_arguments(parser, tokens=SWEEP, iters=30, timed="impl",

@@ -155,7 +155,8 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
         if gemm:
             seg = half_segments(layout, world, halves, i, hidden=weight.shape[0],
                                 k=weight.shape[1], ctas=ctas, first=h.offset,
-                                chunk_stride=x.shape[1], tiles=tiles, release=release)
+                                chunk_stride=x.shape[1], tiles=tiles, release=release,
+                                fitted=comm.fitted_gemm)
             comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i, validate=validate,
                           ctas=ctas, call=call * 2 + i)
             taken.append(seg)

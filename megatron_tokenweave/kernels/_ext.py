@@ -65,6 +65,10 @@ def _register_fakes() -> None:
                           segments, tag):
         return None
 
+    @torch.library.register_fake("tokenweave::fit_gemm")
+    def _fit_gemm_fake(x, weight, bias, regions, geometry, ctas):
+        return None
+
 
 def load_extension(verbose: bool = False) -> None:
     """Make `torch.ops.tokenweave.*` available; raise KernelUnavailableError if impossible."""
@@ -105,3 +109,10 @@ def is_available() -> bool:
     except KernelUnavailableError:
         return False
     return True
+
+
+def fitted_gemm_available(device: torch.device) -> bool:
+    """True where the fitted communicating GEMM (csrc/include/tokenweave/fit_gemm.cuh) runs: an
+    sm_90 GPU and the extension (built for sm_90a, which has the op)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and is_available() and hasattr(torch.ops.tokenweave, "fit_gemm"))

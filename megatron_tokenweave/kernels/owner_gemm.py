@@ -37,8 +37,13 @@ from megatron_tokenweave.kernels.owner_protocol import (
     tile_destination,
     tile_of,
 )
-from megatron_tokenweave.ops.segments import Segments
-from megatron_tokenweave.ops.validate import MAX_RANKS
+from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, Segments
+from megatron_tokenweave.ops.validate import (
+    KERNEL_DTYPES,
+    MAX_RANKS,
+    VECTOR_ELEMS,
+    TokenWeaveInputError,
+)
 
 
 @triton.jit
@@ -104,9 +109,16 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ctas: persistent CTAs (the SMs left to the GEMM); tag: the call's tag (31 bits), which its
     consumer passes too: published into each owner's inbox before the flags, the owner gives
     up on a source's tiles of another call. The segments' tiles pick the kernel:
-    this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster.
+    this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster, or
+    the fitted CUDA kernel (its consumer publishes the rows and the tag).
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
     the consumer after this kernel ("consumer": no fence, no flags here)."""
+    if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
+        check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world)
+        torch.ops.tokenweave.fit_gemm(
+            x, weight, bias, inbox.bases,
+            seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas)
+        return
     num_m = seg.nonempty_blocks(inbox.world)
     if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
         return
@@ -129,3 +141,37 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
         HALVES=t.block_cols >= 256, FLAG_LANES=32, RELEASE=release, num_warps=t.warps,
         num_stages=t.stages)
+
+
+def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      seg: Segments, slot_rows: int, world: int) -> None:
+    """Raise TokenWeaveInputError for a call the fitted kernel cannot take (ops.cu checks the
+    same again, as the last line of defence): bf16/fp16 operands of one dtype, 16-byte rows and
+    starts, its token extents, the rows the segments read and the inbox rows they fill."""
+    if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or (
+            bias is not None and bias.dtype != x.dtype):
+        raise TokenWeaveInputError(
+            f"the fitted GEMM takes bf16 or fp16 operands of one dtype, got x {x.dtype}, "
+            f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    if x.dim() != 2 or weight.dim() != 2 or not (x.is_contiguous() and weight.is_contiguous()):
+        raise TokenWeaveInputError("the fitted GEMM takes contiguous 2-D x and weight")
+    n, k = weight.shape
+    if x.shape[1] != k or k % VECTOR_ELEMS or n % VECTOR_ELEMS:
+        raise TokenWeaveInputError(
+            f"the fitted GEMM needs x [rows, K] and weight [N, K] with K and N multiples of "
+            f"{VECTOR_ELEMS}, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise TokenWeaveInputError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        raise TokenWeaveInputError("the fitted GEMM's x and weight must start 16-byte aligned")
+    bn = seg.tiles.block_rows
+    if bn % 8 or not FIT_MIN_ROWS <= bn <= FIT_MAX_ROWS:
+        raise TokenWeaveInputError(
+            f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}.."
+            f"{FIT_MAX_ROWS}, got {bn}")
+    last = max((seg.first + c * seg.step + seg.length(c) for c in range(world)
+                if seg.length(c)), default=0)
+    if last > x.shape[0] or seg.row0 + seg.rows > slot_rows:
+        raise TokenWeaveInputError(
+            f"the segments read x rows up to {last} (x has {x.shape[0]}) and fill inbox rows "
+            f"up to {seg.row0 + seg.rows} (a slot has {slot_rows})")

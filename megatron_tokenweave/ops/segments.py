@@ -6,12 +6,13 @@ inbox, slot = its own rank, and rank c reduces them (csrc/include/tokenweave/gem
 
 - sequence parallel: segment c is chunk c's rows of the half (Megatron's shard of rank c), so the
   owner reduces exactly the rows it keeps;
-- replicated: the half's rows cut into P runs of `rows` rows, a whole number of the GEMM's block
-  rows, so only the last non-empty run has a partial block (the GEMM computes no rows it
-  throws away elsewhere); the last runs may be short or empty.
+- replicated: the half's rows cut into P runs of `rows` rows (the last runs may be short or
+  empty): for the Triton kernels a whole number of their block rows, so only the last non-empty
+  run has a partial block (the GEMM computes no rows it throws away elsewhere); for the fitted
+  CUDA kernel, whose tiles need not align with segments, ceil(rows / P).
 
-Pure Python: the CUDA launcher, the consumer's arguments and the CPU emulation
-(ops/gemm_emulation.py) all take their geometry from here.
+Pure Python: the GEMM launchers (Triton, and the fitted kernel's op), the consumer's arguments
+and the CPU emulation (ops/gemm_emulation.py) all take their geometry from here.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class GemmTiles:
     efficiency: float = 1.0
     group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
     consumers: int = 1
+    fitted: bool = False  # the CUDA kernel with tiles fitted to the call (`fitted_tiles`)
+    cooperative: bool = False  # fitted: both consumers on one tile of 256 weight rows
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
@@ -74,6 +77,24 @@ PINGPONG_MIN_TILES = 3
 # per-block readiness buys little there (a CTA's few tiles are released together, at its end).
 RELEASES = ("gemm", "consumer")
 CONSUMER_RELEASE_MAX_WORK = 2.0
+# The fitted kernel (csrc/include/tokenweave/fit_gemm.cuh, sm_90): tiles of 128 weight rows
+# (ping-pong) or 256 (cooperative) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
+# its consumer releasing the rows. Measured on one H200 (docs/kernel.md, "The fitted kernel"):
+# - the token extent: the fewest waves x (extent + FIT_TILE_COST), a tile's fixed cost in tokens
+#   (the largest extent on ties: fewer, fuller tiles);
+# - cooperative where its tiles take at most FIT_COOP_MAX_WAVES waves of at least
+#   FIT_COOP_MIN_ROWS tokens (one or two long tiles a CTA: the smaller operand traffic pays,
+#   the epilogue not overlapped costs little), else ping-pong;
+# - the fitted kernel instead of the Triton pick, for calls of at least FIT_MIN_CALL rows (what
+#   was measured), where that pick's estimated wave efficiency (`wave_efficiency`) is under
+#   FIT_BELOW: counts just past a wave of Triton's tiles, where a whole extra row block and wave
+#   cost it 0.5-0.8x of cuBLAS; elsewhere the Triton kernels measured faster.
+FIT_MIN_ROWS, FIT_MAX_ROWS = 16, 176
+FIT_TILE_COST = 16
+FIT_COOP_MAX_WAVES = 2
+FIT_COOP_MIN_ROWS = 96
+FIT_BELOW = 0.85
+FIT_MIN_CALL = 512
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -92,15 +113,61 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
     return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
 
 
+def _fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
+              cooperative: bool) -> tuple[int, int]:
+    """(waves, token extent) of the fitted kernel's best tiles in one mode (FIT_TILE_COST)."""
+    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
+    m_tiles = -(-hidden // (256 if cooperative else 128))
+
+    def waves(extent: int) -> int:
+        return -(-m_tiles * groups * -(-max(1, rows) // extent) // max(1, ctas))
+
+    extent = min(range(FIT_MIN_ROWS, FIT_MAX_ROWS + 1, 8),
+                 key=lambda e: (waves(e) * (e + FIT_TILE_COST), -e))
+    return waves(extent), extent
+
+
+def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
+    """The fitted kernel's tiles of a call (`segments`'s arguments; the FIT_* rules above)."""
+    waves, extent = _fit_pick(layout, world, rows, hidden, ctas, cooperative=True)
+    cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
+    if not cooperative:
+        extent = _fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1]
+    return GemmTiles(block_rows=extent, block_cols=256 if cooperative else 128, block_k=64,
+                     stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
+
+
+def wave_efficiency(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: int,
+                    ctas: int) -> float:
+    """The call's output area over the area its tiles' waves cover at full efficiency
+    (`estimated_time`): 1 where the tiles fill every CTA of every wave with rows."""
+    total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
+    return max(1, total) * hidden / max(1, ctas) / estimated_time(t, layout, world, rows, hidden,
+                                                                   ctas)
+
+
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
-              ctas: int) -> GemmTiles:
+              ctas: int, fitted: bool = False) -> GemmTiles:
     """The tiles of a call over k in-features: the ping-pong kernel's where it was measured
     faster (enough tiles per CTA, fewer for short K; in WIDE's place for long K) and its waves
     take no longer than the best one-consumer tiles' (`estimated_time`), else those: large
     where they fill the CTAs, smaller ones where large ones would leave many idle
     (docs/kernel.md, "Tiles"). Why the wave check: at 777 tokens of hidden-5120 shards the
     ping-pong tiles took three waves where WIDE's took two, 0.65-0.90x of cuBLAS against
-    0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two")."""
+    0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two").
+    fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
+    at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW."""
+    triton = _triton_tiles(layout, world, rows, hidden, k, ctas)
+    total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
+    if (fitted and total >= FIT_MIN_CALL
+            and wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW):
+        return fitted_tiles(layout, world, rows, hidden, ctas)
+    return triton
+
+
+def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
+                  ctas: int) -> GemmTiles:
+    """The Triton kernels' tiles of a call (`tiles_for`)."""
     times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
              for t in (LARGE, WIDE, SMALL, PINGPONG)}
     one = min((LARGE, WIDE, SMALL), key=times.__getitem__)
@@ -136,6 +203,7 @@ class Segments:
     row0: int
     tiles: GemmTiles
     release: str = "gemm"  # who publishes the tiles: RELEASES
+    sequence_parallel: bool = False
 
     def length(self, c: int) -> int:
         """Rows of segment c (the last ones of a replicated call may be short or empty)."""
@@ -147,10 +215,27 @@ class Segments:
 
     def geometry(self, set_index: int, hidden: int) -> list[int]:
         """The consumer's view of the call (csrc/ops.cu SegmentGeometry): inbox set, its first
-        inbox row, rows of a segment, the GEMM's block rows and column tiles, and whether the
-        consumer publishes the tiles."""
+        inbox row, rows of a segment, the GEMM's block rows and column tiles (where the consumer
+        publishes: the segment as one block of one tile, its one flag per source), and whether
+        the consumer publishes the tiles."""
+        if self.release == "consumer":
+            return [set_index, self.row0, self.rows, self.rows, 1, 1]
         return [set_index, self.row0, self.rows, self.tiles.block_rows,
-                self.tiles.col_tiles(hidden), int(self.release == "consumer")]
+                self.tiles.col_tiles(hidden), 0]
+
+    def fitted_geometry(self, slots_off: int, rank: int, slot_rows: int, world: int) -> list[int]:
+        """The fitted kernel's view of the call (csrc/ops.cu fit_gemm): where rank `rank`'s rows
+        go in the owners' inboxes, the token groups (sequence parallel: a segment each;
+        replicated: all rows, owner = row / rows), the tiles, and the first token tile, the
+        one holding segment rank + 1's first row (each rank stores to a different owner
+        first)."""
+        t = self.tiles
+        groups, group_rows = (world, self.rows) if self.sequence_parallel else (1, self.total)
+        group_tiles = -(-group_rows // t.block_rows)
+        nxt = (rank + 1) % world
+        start = nxt * group_tiles if self.sequence_parallel else nxt * self.rows // t.block_rows
+        return [slots_off, rank, slot_rows, self.row0, self.first, self.step, groups, group_rows,
+                self.rows, t.block_rows, int(t.cooperative), start]
 
     def nonempty_blocks(self, world: int) -> int:
         """Row blocks holding rows, all segments together: segment c's are c * blocks() ...
@@ -166,7 +251,7 @@ def _round_up(n: int, m: int) -> int:
 def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas: int,
              first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
              first_set_rows: int = 0, tiles: GemmTiles | None = None,
-             release: str | None = None) -> Segments:
+             release: str | None = None, fitted: bool = False) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
     rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
     CTAs (which pick the tiles: `tiles_for`).
@@ -179,16 +264,25 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
         the rows half A's segments (first_set_rows: half A's row count) may take.
     tiles / release: these tiles / this publisher (RELEASES) instead of `tiles_for`'s /
         `release_for`'s pick (benchmarks comparing them, tests reaching both).
+    fitted: the fitted kernel may take the call (`tiles_for`) unless the GEMM's release is
+        forced; its rows always have the consumer's release.
     """
     if release is not None and release not in RELEASES:
         raise TokenWeaveInputError(f"release must be one of {RELEASES}, got {release!r}")
-    tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas)
-    release = release or release_for(
-        tiles, row_blocks(layout, world, rows, tiles.block_rows) * tiles.col_tiles(hidden), ctas)
+    # A forced GEMM release keeps the Triton kernels (the fitted one cannot release its rows).
+    tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas, fitted and release != "gemm")
+    if tiles.fitted and release == "gemm":
+        raise TokenWeaveInputError("the fitted kernel's rows are released by its consumer only")
+    release = release or ("consumer" if tiles.fitted else release_for(
+        tiles, row_blocks(layout, world, rows, tiles.block_rows) * tiles.col_tiles(hidden), ctas))
     if layout is Layout.SEQUENCE_PARALLEL:
         return Segments(first=first, step=chunk_stride, rows=rows, total=world * rows,
-                        row0=chunk_row0, tiles=tiles, release=release)
-    size = _round_up(max(1, -(-rows // world)), tiles.block_rows)
+                        row0=chunk_row0, tiles=tiles, release=release, sequence_parallel=True)
+    # Replicated: the Triton kernels' tiles have one owner each (segments of whole row blocks);
+    # the fitted kernel finds each row's owner, so its segments are as even as can be.
+    size = max(1, -(-rows // world))
+    if not tiles.fitted:
+        size = _round_up(size, tiles.block_rows)
     row0 = _round_up(max(1, -(-first_set_rows // world)), MAX_BLOCK_ROWS) if set_index else 0
     return Segments(first=first, step=size, rows=size, total=rows, row0=row0, tiles=tiles,
                     release=release)
@@ -196,13 +290,15 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
 
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
                   ctas: int, first: int = 0, chunk_stride: int = 0,
-                  tiles: GemmTiles | None = None, release: str | None = None) -> Segments:
+                  tiles: GemmTiles | None = None, release: str | None = None,
+                  fitted: bool = False) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
-    `chunk_stride` rows apart (`segments` says how, and what `tiles` and `release` force)."""
+    `chunk_stride` rows apart (`segments` says how, and what `tiles`, `release` and `fitted`
+    do)."""
     return segments(layout, world, halves[i].rows, hidden=hidden, k=k, ctas=ctas, first=first,
                     chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
-                    first_set_rows=halves[0].rows, tiles=tiles, release=release)
+                    first_set_rows=halves[0].rows, tiles=tiles, release=release, fitted=fitted)
 
 
 def slot_rows(max_tokens: int, world: int) -> int:

@@ -21,7 +21,16 @@ each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel'
   consumers give up (NaN outputs) and the communicator's error names the GEMM-fused reduction,
   the peer and the row block;
 - the inbox's kind of buffer (a SymmetricBuffer without header): zeroed, no error words.
+Where the fitted CUDA kernel runs (sm_90), the policy gives it the calls just past a wave of the
+Triton tiles among these (asserted: both of its modes), and a second graph is a call it takes.
 Time-sliced ranks: functional only, never a performance figure.
+
+test_fitted_gemm_matches_reference (one process, sm_90): the fitted kernel alone, every
+owner's slot of a loopback inbox poisoned first, against fp32 GEMMs rounded once: replicated
+(TP 2 and 8) and sequence parallel (TP 4), rows 1-1031, token extents 16-176 in both modes,
+in-features with and without a tail past 64, out-features not a multiple of 128, bias or none,
+bf16 and fp16, this rank 0 or another, within rounding (tests/_rounding.py); rows nobody should
+write stay poisoned. And the launcher's refusals of bad input.
 """
 
 from __future__ import annotations
@@ -166,23 +175,27 @@ def _cases(comm, seed0: int):
 
 
 def _graph_replays(comm, others, rank) -> int:
-    """A split pair captured once, replayed between eager calls of other cases."""
+    """A split pair (777 rows, Triton tiles) and, where the fitted kernel runs, one call it
+    takes (1031 rows), each captured once and replayed between eager calls of other cases."""
     from megatron_tokenweave.bench.timing import capture_graph
     from megatron_tokenweave.ops.validate import Layout
 
-    case = Case(comm, Layout.REPLICATED, 777, 1024, comm.dtype, 4242, True, True, True)
-    case.run()  # eager warm-up: Triton compiles outside the capture
-    graph = capture_graph(case.run)
     replays = 0
-    for i in range(60):
-        case.poison()
-        graph.replay()
-        case.check(f"rank {rank} graph replay {i}")
-        other = others[i % len(others)]
-        other.poison()
-        other.run()
-        other.check(f"rank {rank} eager between replays {i}")
-        replays += 1
+    graphed = [(777, True)] + ([(1031, False)] if comm.fitted_gemm else [])
+    for n, split in graphed:
+        case = Case(comm, Layout.REPLICATED, n, 1024, comm.dtype, 4242, True, True, split)
+        case.run()  # eager warm-up: Triton compiles outside the capture
+        assert any(t.fitted for t in case.tiles) == (n == 1031), case.tiles
+        graph = capture_graph(case.run)
+        for i in range(60):
+            case.poison()
+            graph.replay()
+            case.check(f"rank {rank} graph replay {i} ({n} rows)")
+            other = others[i % len(others)]
+            other.poison()
+            other.run()
+            other.check(f"rank {rank} eager between replays {i}")
+            replays += 1
     return replays
 
 
@@ -263,7 +276,12 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
         eager[(hidden, dtype)] = (comm, cases)
         tiles.update(*(case.tiles for case in cases))
         releases.update(*(case.releases for case in cases))
-    assert tiles == {LARGE, WIDE, SMALL, PINGPONG}, f"tile shapes exercised: {tiles}"
+    # Where the fitted kernel runs it takes some calls the Triton LARGE tiles took (at TP 8 all
+    # of them among these cases).
+    triton = {LARGE, WIDE, SMALL, PINGPONG} - ({LARGE} if comm.fitted_gemm else set())
+    assert triton <= tiles, f"tile shapes exercised: {tiles}"
+    fitted_modes = {t.cooperative for t in tiles if t.fitted}
+    assert fitted_modes == ({False, True} if comm.fitted_gemm else set()), tiles
     assert releases == set(RELEASES), f"releases exercised: {releases}"
     comm, cases = eager[(4096, torch.bfloat16)]
     replays = _graph_replays(comm, cases[:6], rank)
@@ -290,3 +308,117 @@ def test_gemm_fused_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     mp.spawn(_worker, args=(2, free_port(), 2), nprocs=2, join=True)
+
+
+# --------------------------------------------------------------------------- the fitted kernel
+def _skip_without_fitted():
+    _skip_without_kernels()
+    from megatron_tokenweave.kernels._ext import fitted_gemm_available
+
+    if not fitted_gemm_available(torch.device("cuda", 0)):
+        pytest.skip("the fitted GEMM needs an sm_90 GPU and the extension built for it")
+
+
+def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative, dtype,
+                 bias_on, seed) -> str | None:
+    """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`:
+    None if every owner's slot holds exactly its rows, else what is wrong."""
+    from megatron_tokenweave.ops.segments import GemmTiles, segments
+    from megatron_tokenweave.ops.validate import Layout
+
+    dev = torch.device("cuda", 0)
+    tiles = GemmTiles(block_rows=block_rows, block_cols=256 if cooperative else 128, block_k=64,
+                      stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    stride = rows + 5  # chunks of x apart by more than their rows (sequence parallel)
+    seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, tiles=tiles, first=3,
+                   chunk_stride=stride if sp else 0, chunk_row0=11 if sp else 0)
+    x = _gen(seed, (3 + (world * stride if sp else rows) + 2, k), dtype, dev)
+    w = (_gen(seed + 1, (n, k), torch.float32, dev) * k ** -0.5).to(dtype)
+    bias = _gen(seed + 2, (n,), dtype, dev) if bias_on else None
+    for slots in inbox.owner_slots:
+        slots.fill_(float("nan"))
+    torch.ops.tokenweave.fit_gemm(x, w, bias, inbox.bases,
+                                  seg.fitted_geometry(inbox.slots_off, rank, inbox.slot_rows,
+                                                      world), 132)
+    torch.cuda.synchronize()
+    ref = x.float() @ w.float().t()
+    if bias is not None:
+        ref += bias.float()
+    ref = ref.to(dtype).float()
+    for c in range(world):
+        length = seg.length(c)
+        want = ref[seg.first + c * seg.step:seg.first + c * seg.step + length]
+        slot = inbox.owner_slots[c][rank].float()
+        got = slot[seg.row0:seg.row0 + length]
+        if got.isnan().any():
+            return f"owner {c}: rows left unwritten"
+        miss = (got - want).abs() - ulp(want, dtype) - 1e-4  # as tests/_rounding.within
+        if length and (miss > 0).any():
+            return f"owner {c}: beyond rounding by up to {miss.max().item():.3g}"
+        rest = torch.cat([slot[:seg.row0], slot[seg.row0 + length:]])
+        if not rest.isnan().all():
+            return f"owner {c}: rows outside its segment written"
+        others = [q for q in range(world) if q != rank]
+        if others and not inbox.owner_slots[c][others].isnan().all():
+            return f"owner {c}: another rank's slot written"
+    return None
+
+
+def test_fitted_gemm_matches_reference():
+    """The fitted kernel's rows equal fp32 GEMMs rounded once, within one unit in the last
+    place plus 1e-4 (its fp32 accumulation order is not torch's: a sum near a rounding boundary
+    may round to the neighbouring value, and a sum near zero moves by more than its own ulp)."""
+    _skip_without_fitted()
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.ops.validate import Layout
+
+    dev = torch.device("cuda", 0)
+    failures, cases, seed = [], 0, 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for (n, k) in ((8192, 4096), (4096, 1792), (3584, 2368), (1000, 200)):
+            for layout, world in ((Layout.REPLICATED, 2), (Layout.REPLICATED, 8),
+                                  (Layout.SEQUENCE_PARALLEL, 4)):
+                sp = layout is Layout.SEQUENCE_PARALLEL
+                inbox = GemmInbox.loopback(world, world * 1031 + 64, n, dtype, dev)
+                for rows in ((1, 7, 100, 260) if sp else (1, 7, 100, 513, 777, 1031)):
+                    for block_rows, cooperative in ((16, False), (72, True), (136, False),
+                                                    (176, True)):
+                        seed += 1
+                        bad = _fitted_case(inbox, layout, world, seed % world, rows, k, n,
+                                           block_rows, cooperative, dtype, seed % 2 == 0, seed)
+                        cases += 1
+                        if bad:
+                            failures.append((dtype, n, k, layout.value, world, rows, block_rows,
+                                             cooperative, bad))
+                inbox.close()
+    print(f"fitted GEMM: {cases - len(failures)} of {cases} cases exact")
+    assert not failures, failures[:10]
+
+
+def test_fitted_gemm_launcher_refuses_bad_input():
+    """The launcher (kernels/owner_gemm.py) checks a fitted call before the op sees it: bad
+    dtype, K not a multiple of 8, a token extent the kernel has no instantiation of, rows past
+    x, inbox rows past a slot: TokenWeaveInputError, nothing launched."""
+    _skip_without_fitted()
+    from dataclasses import replace
+
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.kernels.owner_gemm import owner_gemm
+    from megatron_tokenweave.ops.segments import fitted_tiles, segments
+    from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
+
+    dev = torch.device("cuda", 0)
+    inbox = GemmInbox.loopback(2, 1024, 512, torch.bfloat16, dev)
+    tiles = fitted_tiles(Layout.REPLICATED, 2, 300, 512, 132)
+    seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, tiles=tiles)
+    x = torch.randn(300, 256, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device=dev, dtype=torch.bfloat16)
+    bad = [(x.float(), w, seg, "bf16 or fp16"), (x[:, :100].contiguous(), w[:, :100].contiguous(),
+                                                 seg, "multiples of 8"),
+           (x, w, replace(seg, tiles=replace(tiles, block_rows=184)), "multiple of 8 tokens"),
+           (x[:200], w, seg, "x has 200"), (x, w, replace(seg, row0=1000), "a slot has")]
+    for xx, ww, ss, match in bad:
+        with pytest.raises(TokenWeaveInputError, match=match):
+            owner_gemm(xx, ww, None, inbox, ss, 0, 132, 1)
+    inbox.close()

@@ -51,6 +51,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                       : "memory");
 }
 
+// A plain arrival on `bar` (a consumer releasing the slot it read).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  TOKENWEAVE_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Global (local or peer) -> shared, `bytes` a multiple of 16, both addresses 16-byte aligned.
 __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, uint32_t bytes,
                                           uint64_t* bar) {

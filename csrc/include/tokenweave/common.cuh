@@ -48,6 +48,9 @@ struct Pack<__half> {
   }
 };
 
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
 // One 16-byte load, `op` the PTX instruction with its state space and cache qualifiers.
 #define TOKENWEAVE_LOAD_V4(op, v, p)                                                \
   asm volatile(op " {%0,%1,%2,%3}, [%4];"                                           \

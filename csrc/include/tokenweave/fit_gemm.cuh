@@ -1,0 +1,311 @@
+// The communicating row-parallel GEMM with fitted tiles: partial = x @ W^T (+ bias), each output
+// row stored straight into the inbox slot of the rank that owns it (the GEMM-fused mechanism's
+// reduce-scatter half, with the consumer's release: gemm_reduce.cuh publishes the rows after
+// this kernel ends, so this kernel only stores rows).
+//
+// Why a CUDA kernel beside the Triton ones (kernels/owner_gemm*.py): a Triton tile's token
+// extent is a power of two, so a call just past a multiple of the tile (513, 641, 777 tokens)
+// computes a whole extra row block and, past a wave of tiles, a whole extra wave: 0.5-0.8x of
+// cuBLAS there (docs/kernel.md). cuBLAS fits its tiles' token extent to the count. Here the
+// operands are swapped (the weight's rows are the MMA's M; the tokens its N, any multiple of 8
+// from 16 to 176, a template parameter BN the host fits to the call: ops/segments.fitted_tiles),
+// so a tile holds as many tokens as the call needs and a count's tail costs at most 7 padded
+// rows per tile. A row's owner is computed per row, so segments need not align with tiles.
+//
+// Structure (one CTA per SM, persistent, 384 threads):
+// - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
+//   with TMA into a ring of kStages slots (the weight's box of 128 or 256 rows and the tokens'
+//   BN rows, 64 K each, 128-byte-swizzled K-major rows), each slot with a `full` barrier
+//   (transaction bytes) and an `empty` barrier (the consumer warps' release);
+// - warpgroups 1 and 2, the consumers, each with a 128 x BN fp32 tile part in registers (two
+//   m64nBNk16 wgmma per 16 K), one wgmma group in flight, each slot released as the next group
+//   is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles c, c + 2, ... of
+//   128 weight rows; their main loops alternate (named barriers 1 and 2: a consumer waits for the
+//   slots of its tile only after the other consumer waited for all of the previous tile's, so
+//   the parity it waits on is its own fill, never an older one), so one consumer's epilogue
+//   runs beside the other's MMAs. kCoop = true ("cooperative"): both take every tile, of 256
+//   weight rows, 128 each: a third fewer operand bytes per MMA through shared memory, the
+//   epilogue not overlapped (measured faster where each CTA has one or two tiles of long K);
+// - the epilogue, per 32 tokens: bias, rounding once, through shared memory into token rows
+//   (stmatrix: the accumulator holds a token's values across lanes), then 16-byte stores of each
+//   valid row into its owner's slot.
+//
+// Tokens: `groups` groups of `group_rows` rows each (sequence parallel: one per rank, the
+// owner's segment; replicated: one, all rows, owner = row / seg_rows), tiled by BN; x rows of
+// group g: first + g * step + j. Tile order: groups of 8 weight tiles x every token tile (weight
+// tiles reused from L2), the token tiles rotated by `start`.
+#pragma once
+
+#include <type_traits>
+
+#include "tokenweave/common.cuh"
+#include "tokenweave/hopper.cuh"
+
+namespace tokenweave {
+namespace fit {
+
+constexpr int kBM = 128;            // weight rows (output columns) per consumer's tile part
+constexpr int kBK = 64;             // K per stage: 128-byte rows of bf16/fp16
+constexpr int kRowBytes = 128;      // kBK * 2
+constexpr int kThreads = 384;       // producer + two consumer warpgroups
+constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per consumer)
+constexpr int kGroupM = 8;          // weight tiles per group of the tile order
+constexpr int kMinBN = 16;
+constexpr int kMaxBN = 176;         // BN fp32 accumulators per consumer thread: no spills to 176
+constexpr int kSmemLimit = 232448;  // bytes of dynamic shared memory per block (sm_90)
+constexpr int kBarrierBytes = 256;  // the pipeline's barriers, after the stages
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+
+struct FitGemmParams {
+  int64_t regions[kMaxRanks];  // every rank's inbox region as this rank maps it
+  int64_t slots_off;           // bytes from a region's base to its slots
+  const void* bias;            // [n_out] or null
+  int n_out, k;                // output columns (hidden) and in-features
+  int rank, slot_rows;         // this rank's slot in every owner's inbox; rows per slot
+  int row0;                    // inbox row of a segment's row 0
+  int first, step;             // x rows of group g: first + g * step + j
+  int groups, group_rows;      // token groups (sequence parallel: world; replicated: 1)
+  int seg_rows;                // replicated: rows per owner (owner = row / seg_rows)
+  float inv_seg_rows;          // 1 / seg_rows (the owner of a row, corrected to the exact one)
+  int group_tiles;             // token tiles per group: ceil(group_rows / BN)
+  int m_tiles;                 // weight tiles: ceil(n_out / tile rows)
+  int tiles;                   // m_tiles * groups * group_tiles
+  int start;                   // the first token tile (rotation)
+};
+
+// kCoop: both consumers on one tile of 2 x kBM weight rows (each its own kBM); else each its own
+// tiles of kBM rows, alternating ("ping-pong").
+template <int BN, bool kCoop>
+struct Shape {
+  static constexpr int kTileM = kCoop ? 2 * kBM : kBM;
+  static constexpr int kAStage = kTileM * kRowBytes;
+  static constexpr int kBStage = BN * kRowBytes;
+  static constexpr int kEpiBuffer = kEpiTokens * kBM * 2;  // bytes: token rows of kBM columns
+  static constexpr int kEpiBytes = 2 * 2 * kEpiBuffer;     // two consumers, two buffers
+  static constexpr int kFree = kSmemLimit - kBarrierBytes - kEpiBytes;
+  static constexpr int kStages = kFree / (kAStage + kBStage) > 8 ? 8 : kFree / (kAStage + kBStage);
+  static constexpr int kSmem = kStages * (kAStage + kBStage) + kEpiBytes + kBarrierBytes;
+  static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= kMaxBN,
+                "BN: a multiple of 8 in kMinBN..kMaxBN");
+  static_assert(kStages >= 3, "too few pipeline stages fit");
+};
+
+// (weight tile, token tile) of a linear tile index.
+__device__ __forceinline__ void tile_coords(const FitGemmParams& p, int tile, int& mt, int& nt) {
+  const int n_tiles = p.groups * p.group_tiles;
+  const int per_group = kGroupM * n_tiles;
+  const int first_m = (tile / per_group) * kGroupM;
+  const int size = min(p.m_tiles - first_m, kGroupM);
+  const int in_group = tile % per_group;
+  mt = first_m + in_group % size;
+  nt = (in_group / size + p.start) % n_tiles;
+}
+
+// Byte offset of the 16-byte granule `granule` of token row `row` in a staging buffer: rows of
+// kBM elements, granules XOR-swizzled by the row so that neither stmatrix's 8-row blocks nor the
+// row reads meet bank conflicts.
+__device__ __forceinline__ uint32_t stage_offset(int row, int granule) {
+  return static_cast<uint32_t>(row * kBM * 2 + ((granule ^ (row & 7)) << 4));
+}
+
+// The owner of row j of a replicated call (j / seg_rows: the float estimate is off by at most one).
+__device__ __forceinline__ int owner_of(const FitGemmParams& p, int j) {
+  int owner = __float2int_rz(static_cast<float>(j) * p.inv_seg_rows);
+  owner -= owner * p.seg_rows > j;
+  owner += (owner + 1) * p.seg_rows <= j;
+  return owner;
+}
+
+// A consumer's kBM x BN accumulators (weight columns col0.., token tile nt) into the owners'
+// inboxes: per kEpiTokens tokens, bias and rounding into a staging buffer (stmatrix, token rows),
+// then each thread's 16 bytes of kEpiTokens / 8 rows, all loaded before any is stored. Two
+// buffers, so one barrier per pass: a buffer is rewritten two passes later, after every thread
+// passed the barrier between. `pass` counts the consumer's passes over all its tiles. (Measured
+// on one H200: faster than handing the staged rows to the copy engine, per row or per 8-row box,
+// whose many small copies cost 2-3x this pass's time.)
+template <typename T, int BN>
+__device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2][BN / 2],
+                                         int col0, int nt, uint8_t* stage, int consumer,
+                                         int& pass) {
+  using namespace hopper;
+  constexpr int kSweeps = kEpiTokens / 8;  // rows per thread per pass
+  const int tid = threadIdx.x - 128 * (consumer + 1);
+  const int warp = tid >> 5, lane = tid & 31;
+  float bias[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  if (p.bias != nullptr) {
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = col0 + sub * 64 + 16 * warp + (lane >> 2) + 8 * h;
+        if (col < p.n_out) bias[sub][h] = to_float(static_cast<const T*>(p.bias)[col]);
+      }
+  }
+  const int g = nt / p.group_tiles;
+  const int j0 = (nt - g * p.group_tiles) * BN;  // the tile's first row within its group
+  const int valid = min(BN, p.group_rows - j0);  // rows of the tile that hold rows
+  const int vcol = tid & 15, vrow = tid >> 4;    // this thread's granule, first row of a pass
+  const bool col_ok = col0 + vcol * 8 < p.n_out;
+  const int64_t row_bytes = static_cast<int64_t>(p.n_out) * sizeof(T);
+  const int64_t col_bytes = (static_cast<int64_t>(col0) + vcol * 8) * sizeof(T);
+  const int64_t slot_row0 = static_cast<int64_t>(p.rank) * p.slot_rows + p.row0;
+  const bool sp = p.groups > 1;
+#pragma unroll
+  for (int c = 0; c < (BN + kEpiTokens - 1) / kEpiTokens; ++c, ++pass) {
+    uint8_t* buf = stage + (pass & 1) * (kEpiTokens * kBM * 2);
+    // Token rows through stmatrix (transposed 8 x 8 blocks): lane 8 * i + r addresses row r of
+    // block i = (weight rows +8 or not, token group of the pair).
+#pragma unroll
+    for (int jj = 0; jj < kEpiTokens / 8; jj += 2) {
+      const int j = c * (kEpiTokens / 8) + jj;
+      const int blk = lane >> 3;
+      const int n = 8 * (jj + (blk >> 1)) + (lane & 7);
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const int granule = sub * 8 + 2 * warp + (blk & 1);
+        const uint32_t addr = smem_addr(buf) + stage_offset(n, granule);
+        const float b0 = bias[sub][0], b1 = bias[sub][1];
+        if (j + 1 < BN / 8) {
+          stmatrix_x4_trans(addr,
+                            Pack<T>::from_float2(acc[sub][4 * j] + b0, acc[sub][4 * j + 1] + b0),
+                            Pack<T>::from_float2(acc[sub][4 * j + 2] + b1,
+                                                 acc[sub][4 * j + 3] + b1),
+                            Pack<T>::from_float2(acc[sub][4 * j + 4] + b0,
+                                                 acc[sub][4 * j + 5] + b0),
+                            Pack<T>::from_float2(acc[sub][4 * j + 6] + b1,
+                                                 acc[sub][4 * j + 7] + b1));
+        } else if (j < BN / 8) {
+          stmatrix_x2_trans(addr,
+                            Pack<T>::from_float2(acc[sub][4 * j] + b0, acc[sub][4 * j + 1] + b0),
+                            Pack<T>::from_float2(acc[sub][4 * j + 2] + b1,
+                                                 acc[sub][4 * j + 3] + b1));
+        }
+      }
+    }
+    bar_sync(3 + consumer, 128);
+    Vec16 v[kSweeps];
+#pragma unroll
+    for (int q = 0; q < kSweeps; ++q)
+      v[q] = *reinterpret_cast<const Vec16*>(buf + stage_offset(vrow + 8 * q, vcol));
+#pragma unroll
+    for (int q = 0; q < kSweeps; ++q) {
+      const int row = c * kEpiTokens + vrow + 8 * q;  // within the tile
+      if (row < valid && col_ok) {
+        const int j = j0 + row;
+        const int owner = sp ? g : owner_of(p, j);
+        const int seg_j = sp ? j : j - owner * p.seg_rows;
+        char* dst = reinterpret_cast<char*>(p.regions[owner] + p.slots_off) +
+                    (slot_row0 + seg_j) * row_bytes + col_bytes;
+        store_vec(dst, v[q]);
+      }
+    }
+  }
+}
+
+template <typename T, int BN, bool kCoop>
+__global__ void __launch_bounds__(kThreads, 1)
+    fit_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
+                    const __grid_constant__ CUtensorMap x_map,
+                    const FitGemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace hopper;
+  using S = Shape<BN, kCoop>;
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  // Dynamic shared memory starts 1024-byte aligned (no static shared memory here): the
+  // 128-byte swizzle of the stages needs it.
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* a_smem = smem;
+  uint8_t* b_smem = a_smem + S::kStages * S::kAStage;
+  uint8_t* epi = b_smem + S::kStages * S::kBStage;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + S::kEpiBytes);
+  uint64_t* empty = full + S::kStages;
+
+  const int wg = threadIdx.x / 128;
+  const int k_steps = (p.k + kBK - 1) / kBK;
+  const int local_tiles =
+      blockIdx.x < p.tiles ? (p.tiles - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
+  if (threadIdx.x == 0) {
+    if (smem_addr(smem) & 1023) __trap();  // the swizzled stages would read the wrong bytes
+    for (int s = 0; s < S::kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kCoop ? 8 : 4);  // lane 0 of each warp that reads the slot
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    regs_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_map(&w_map);
+      prefetch_map(&x_map);
+      for (int i = 0; i < local_tiles; ++i) {
+        int mt, nt;
+        tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+        const int g = nt / p.group_tiles;
+        const int x_row = p.first + g * p.step + (nt - g * p.group_tiles) * BN;
+        for (int kt = 0; kt < k_steps; ++kt) {
+          const int seq = i * k_steps + kt;
+          const int s = seq % S::kStages, fill = seq / S::kStages;
+          if (fill > 0) mbar_wait(&empty[s], (fill - 1) & 1);
+          mbar_arrive_expect_tx(&full[s], S::kAStage + S::kBStage);
+          tma_load_2d(a_smem + s * S::kAStage, &w_map, kt * kBK, mt * S::kTileM, &full[s]);
+          tma_load_2d(b_smem + s * S::kBStage, &x_map, kt * kBK, x_row, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+  regs_inc<kConsumerRegs>();
+  const int consumer = wg - 1;
+  const int lane = threadIdx.x & 31;
+  uint8_t* stage = epi + consumer * 2 * S::kEpiBuffer;
+  const int a_part = kCoop ? consumer * kBM * kRowBytes : 0;  // this consumer's weight rows
+  int pass = 0;
+  float acc[2][BN / 2];
+  for (int i = kCoop ? 0 : consumer; i < local_tiles; i += kCoop ? 1 : 2) {
+    // Ping-pong: the other consumer waited for all of tile i - 1's slots.
+    if (!kCoop && i > 0) bar_sync(1 + consumer, 256);
+    int prev = -1;
+    for (int kt = 0; kt < k_steps; ++kt) {
+      const int seq = i * k_steps + kt;
+      const int s = seq % S::kStages;
+      mbar_wait(&full[s], (seq / S::kStages) & 1);
+      const uint32_t a0 = smem_addr(a_smem + s * S::kAStage + a_part);
+      const uint32_t b0 = smem_addr(b_smem + s * S::kBStage);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t bd = smem_desc_k128(b0 + kk * 32);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+          Wgmma<BN>::template mma<kBf16>(acc[sub],
+                                         smem_desc_k128(a0 + sub * 64 * kRowBytes + kk * 32), bd,
+                                         (kt | kk) != 0);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous step's MMAs are done: release its slot
+      fence_regs(acc[0]);
+      fence_regs(acc[1]);
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s;
+    }
+    if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
+    wgmma_wait<0>();
+    fence_regs(acc[0]);
+    fence_regs(acc[1]);
+    if (lane == 0) mbar_arrive(&empty[prev]);
+    int mt, nt;
+    tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+    epilogue<T, BN>(p, acc, mt * S::kTileM + (kCoop ? consumer * kBM : 0), nt, stage, consumer,
+                    pass);
+  }
+#else
+  __trap();  // sm_90a only: the launcher refuses other devices
+#endif
+}
+
+}  // namespace fit
+}  // namespace tokenweave

@@ -1,0 +1,120 @@
+// Host side of the fitted communicating GEMM (fit_gemm.cuh): the operands' tensor maps and the
+// launch of the instantiation for the call's token extent BN. No torch here: ops.cu checks the
+// call and turns a status into a Python error. The instantiations compile in
+// csrc/launch_fit_gemm_{bf16,fp16}.cu (one dtype each, both modes, every BN).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <type_traits>
+#include <utility>
+
+#include "tokenweave/fit_gemm.cuh"
+
+namespace tokenweave {
+namespace fit {
+
+enum class LaunchStatus { kOk, kNoDriverEntry, kTensorMap, kBadBN, kCuda };
+
+// cuTensorMapEncodeTiled from the driver, looked up once (the runtime links no libcuda).
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A row-major [rows, inner] matrix of 2-byte elements, rows `stride` elements apart, moved in
+// boxes of box_rows x 64 elements (128-byte rows, 128-byte swizzle: what smem_desc_k128 and
+// fit::stage_offset describe).
+inline bool make_map(CUtensorMap* map, const void* ptr, bool bf16, int64_t inner, int64_t rows,
+                     int64_t stride, int box_rows) {
+  const auto encode = encode_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The instantiations: BN = 8 * q for q in kMinBN / 8 .. kMaxBN / 8.
+template <typename F, int... Q>
+bool with_bn_impl(int bn, F&& f, std::integer_sequence<int, Q...>) {
+  return ((bn == 8 * (Q + kMinBN / 8) ? (f(std::integral_constant<int, 8 * (Q + kMinBN / 8)>{}),
+                                         true)
+                                      : false) ||
+          ...);
+}
+template <typename F>
+bool with_bn(int bn, F&& f) {
+  return with_bn_impl(bn, std::forward<F>(f),
+                      std::make_integer_sequence<int, (kMaxBN - kMinBN) / 8 + 1>{});
+}
+
+// Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major (2-byte T), p's geometry for tiles of
+// bn tokens, on `ctas` persistent CTAs.
+template <typename T, bool kCoop>
+LaunchStatus launch(const void* x, int64_t x_rows, const void* w, const FitGemmParams& p, int bn,
+                    int ctas, cudaStream_t stream) {
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  CUtensorMap w_map, x_map;
+  if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
+  if (!make_map(&w_map, w, kBf16, p.k, p.n_out, p.k, kCoop ? 2 * kBM : kBM) ||
+      !make_map(&x_map, x, kBf16, p.k, x_rows, p.k, bn))
+    return LaunchStatus::kTensorMap;
+  cudaError_t err = cudaSuccess;
+  const bool known = with_bn(bn, [&](auto bn_c) {
+    constexpr int BN = decltype(bn_c)::value;
+    using S = Shape<BN, kCoop>;
+    auto kernel = fit_gemm_kernel<T, BN, kCoop>;
+    // The shared-memory limit is an attribute of the function on each device: raised once per
+    // device (a bit per device of this instantiation).
+    static std::atomic<uint64_t> raised{0};
+    int device = 0;
+    err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return;
+    const uint64_t bit = uint64_t{1} << (device & 63);
+    if ((raised.load(std::memory_order_relaxed) & bit) == 0) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem);
+      if (err != cudaSuccess) return;
+      raised.fetch_or(bit, std::memory_order_relaxed);
+    }
+    const int grid = p.tiles < ctas ? p.tiles : ctas;
+    kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, p);
+    err = cudaGetLastError();
+  });
+  if (!known) return LaunchStatus::kBadBN;
+  return err == cudaSuccess ? LaunchStatus::kOk : LaunchStatus::kCuda;
+}
+
+}  // namespace fit
+}  // namespace tokenweave
+
+// The instantiations of both modes for one dtype (`extern` where they are used, defined in
+// csrc/launch_fit_gemm_{bf16,fp16}.cu, one translation unit per dtype).
+#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T)                                                      \
+  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, false>(            \
+      const void*, int64_t, const void*, const tokenweave::fit::FitGemmParams&, int, int,        \
+      cudaStream_t);                                                                          \
+  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, true>(             \
+      const void*, int64_t, const void*, const tokenweave::fit::FitGemmParams&, int, int,        \
+      cudaStream_t)
+
+#ifndef TOKENWEAVE_FIT_INSTANTIATE
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half);
+#endif
