@@ -442,8 +442,7 @@ class Communicator:
             raise TokenWeaveInputError(
                 f"row_gemm: K = {x.shape[1]} must be a multiple of {VECTOR_ELEMS} (16-byte rows)")
         world = dist.get_world_size(self.group)
-        last = max((seg.first + c * seg.step + seg.length(c) for c in range(world)
-                    if seg.length(c)), default=0)
+        last = seg.input_rows(world)
         if last > x.shape[0]:
             raise TokenWeaveInputError(
                 f"row_gemm: the segments read input rows up to {last}, x has {x.shape[0]}")

@@ -169,8 +169,7 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TokenWeaveInputError(
             f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}.."
             f"{FIT_MAX_ROWS}, got {bn}")
-    last = max((seg.first + c * seg.step + seg.length(c) for c in range(world)
-                if seg.length(c)), default=0)
+    last = seg.input_rows(world)
     if last > x.shape[0] or seg.row0 + seg.rows > slot_rows:
         raise TokenWeaveInputError(
             f"the segments read x rows up to {last} (x has {x.shape[0]}) and fill inbox rows "

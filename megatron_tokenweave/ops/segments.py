@@ -237,6 +237,11 @@ class Segments:
         return [slots_off, rank, slot_rows, self.row0, self.first, self.step, groups, group_rows,
                 self.rows, t.block_rows, int(t.cooperative), start]
 
+    def input_rows(self, world: int) -> int:
+        """Rows of x the call reads: up to the last segment's last row."""
+        return max((self.first + c * self.step + self.length(c) for c in range(world)
+                    if self.length(c)), default=0)
+
     def nonempty_blocks(self, world: int) -> int:
         """Row blocks holding rows, all segments together: segment c's are c * blocks() ...
         (every segment but the last non-empty one is full)."""
