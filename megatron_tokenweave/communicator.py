@@ -416,7 +416,8 @@ class Communicator:
             from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
             tag = self.kernel.gemm_tag(call, segments, set_index, weight.shape[0])
-            owner_gemm(x, weight, bias, self._inbox, segments, set_index, ctas, tag)
+            owner_gemm(x, weight, bias, self._inbox, segments, set_index, ctas, tag,
+                       validate=validate)
         else:
             store_to_owners(x, weight, bias, segments, self._inbox, self.group)
 

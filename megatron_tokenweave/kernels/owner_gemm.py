@@ -103,7 +103,8 @@ def _owner_gemm_kernel(
 
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, tag: int) -> None:
+               inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, tag: int,
+               validate: bool = True) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
     ctas: persistent CTAs (the SMs left to the GEMM); tag: the call's tag (31 bits), which its
@@ -112,9 +113,11 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster, or
     the fitted CUDA kernel (its consumer publishes the rows and the tag).
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
-    the consumer after this kernel ("consumer": no fence, no flags here)."""
+    the consumer after this kernel ("consumer": no fence, no flags here). validate: check a
+    fitted call first (`check_fitted_gemm`; off where the caller checked it already)."""
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
-        check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world)
+        if validate:
+            check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world)
         torch.ops.tokenweave.fit_gemm(
             x, weight, bias, inbox.bases,
             seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas)

@@ -137,13 +137,17 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) 
                      stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
 
 
+def _call_rows(layout: Layout, world: int, rows: int) -> int:
+    """The GEMM's rows in a call of `rows` rows of every chunk (sequence parallel) or in all."""
+    return world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
+
+
 def wave_efficiency(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: int,
                     ctas: int) -> float:
     """The call's output area over the area its tiles' waves cover at full efficiency
     (`estimated_time`): 1 where the tiles fill every CTA of every wave with rows."""
-    total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
-    return max(1, total) * hidden / max(1, ctas) / estimated_time(t, layout, world, rows, hidden,
-                                                                   ctas)
+    area = max(1, _call_rows(layout, world, rows)) * hidden / max(1, ctas)
+    return area / estimated_time(t, layout, world, rows, hidden, ctas)
 
 
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
@@ -158,8 +162,7 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
     at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW."""
     triton = _triton_tiles(layout, world, rows, hidden, k, ctas)
-    total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
-    if (fitted and total >= FIT_MIN_CALL
+    if (fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
             and wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW):
         return fitted_tiles(layout, world, rows, hidden, ctas)
     return triton
