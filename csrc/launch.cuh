@@ -20,12 +20,14 @@ struct LaunchShape {
   int threads;
 };
 
-// Vectors per thread and threads per CTA for rows of `hidden` elements.
+// Vectors per thread and threads per CTA for rows of `hidden` elements: whole warps for each of
+// the CTA's teams (rmsnorm_row.cuh teams_for; a warp without columns adds zeros to a row's sums).
 inline LaunchShape launch_shape(int64_t hidden) {
   const int64_t hv = hidden / kVecElems;
   for (int vpt = 1; vpt <= kMaxVecsPerThread; vpt *= 2) {
     const int64_t t = (hv + vpt - 1) / vpt;
-    if (t <= kMaxThreads) return {vpt, static_cast<int>(((t + 31) / 32) * 32)};
+    const int64_t unit = 32 * teams_for(vpt);
+    if (t <= kMaxThreads) return {vpt, static_cast<int>(((t + unit - 1) / unit) * unit)};
   }
   TORCH_CHECK(false, "tokenweave: hidden ", hidden, " too large (max ",
               kMaxThreads * kMaxVecsPerThread * kVecElems, ")");

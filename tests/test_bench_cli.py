@@ -140,13 +140,16 @@ def test_call_check_plot_draws_from_a_result(tmp_path):
     assert path.stat().st_size > 1000
 
 
-def test_fp8_rows_plot_draws_from_a_result(tmp_path):
-    """The FP8-rows benchmark's plot, from a result of its schema (synthetic rows)."""
+@pytest.mark.parametrize("te", [True, False])
+def test_fp8_rows_plot_draws_from_a_result(tmp_path, te):
+    """The FP8-rows benchmark's plot, from a result of its schema (synthetic rows), with and
+    without TE's rows (a run where TransformerEngine does not import leaves them None)."""
     from megatron_tokenweave.bench import fp8_rows
 
     rows = [dict(tp=tp, tokens=t, hidden=h, scaling=s, ctas=16, op_us=10.0 + 0.01 * t,
-                 fused_us=10.2 + 0.01 * t, separate_us=14.0 + 0.012 * t,
-                 te_norm_quantize_us=9.0, cost=0.02, vs_separate=0.75)
+                 fused_us=10.2 + 0.01 * t, separate_us=14.0 + 0.012 * t if te else None,
+                 te_norm_quantize_us=9.0 if te else None, cost=0.02,
+                 vs_separate=0.75 if te else None)
             for tp in (2, 4) for h in (4096, 8192) for t in (1024, 3001) for s in fp8_rows.SCALINGS]
     path = tmp_path / "fp8_rows.png"
     fp8_rows._plot({"gpu": "test", "date": "2026-12-03", "rows": rows}, str(path))

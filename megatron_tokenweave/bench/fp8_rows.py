@@ -1,7 +1,8 @@
 """The fused op writing its normed rows in FP8 (ops.fp8_rows) against the op alone (rows in
 bf16), the op followed by TransformerEngine's quantizer (what the woven layer does without
 it), and TE's own norm + quantize of the same rows (LayerNormLinear's prologue, no reduction),
-for 1 x 128 block scales and one known scale, replicated layout, one GPU.
+for 1 x 128 block scales and one known scale, replicated layout, one GPU. Without
+TransformerEngine the two TE rows are left out (None).
 
     python -m megatron_tokenweave.bench fp8_rows --out docs/results/fp8_rows_1gpu.json
 
@@ -34,11 +35,14 @@ SCALINGS = ("blocks", "tensor")
 
 
 def _te_quantizer(scaling: str, dev: torch.device):
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer  # noqa: I001
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+    """TE's quantizer of this scaling, or None where TransformerEngine does not import."""
+    try:
+        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer  # noqa: I001
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
-    import transformer_engine_torch as tex  # after TE's package, which loads its library
-
+        import transformer_engine_torch as tex  # after TE's package, which loads its library
+    except Exception:  # noqa: BLE001 - any TE import failure: no TE rows
+        return None
     if scaling == "blocks":
         return Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False,
                                     block_scaling_dim=1)
@@ -74,8 +78,6 @@ def _graph(streams: list[torch.cuda.Stream],
 
 
 def _measure(world: int, tokens: int, hidden: int, ctas: int, iters: int) -> list[dict]:
-    from transformer_engine.pytorch.module._common import apply_normalization
-
     from megatron_tokenweave.bench.timing import interleaved_medians
     from megatron_tokenweave.kernels import KernelComm, twoshot_applies
 
@@ -109,16 +111,21 @@ def _measure(world: int, tokens: int, hidden: int, ctas: int, iters: int) -> lis
     units = {"op": lambda r, c: op(r, c, normeds[r])}
     if clobbers:
         units["restore"] = restore
+    te = all(q is not None for q in quantizers.values())
     for s in SCALINGS:
         units[f"fused_{s}"] = lambda r, c, s=s: op(r, c, fp8[s][r])
-        units[f"separate_{s}"] = lambda r, c, s=s: (op(r, c, normeds[r]),
-                                                    quantizers[s](normeds[r][0]))
-        units[f"te_norm_{s}"] = lambda r, c, s=s: apply_normalization(
-            outs[r], None, weight, None, EPS, quantizers[s], dtype, "RMSNorm", 0, False)
-    for s in SCALINGS:  # TE's pieces eagerly once (the ops only run with every rank at once)
-        quantizers[s](normeds[0][0])
-        apply_normalization(outs[0], None, weight, None, EPS, quantizers[s], dtype, "RMSNorm", 0,
-                            False)
+    if te:
+        from transformer_engine.pytorch.module._common import apply_normalization
+
+        for s in SCALINGS:
+            units[f"separate_{s}"] = lambda r, c, s=s: (op(r, c, normeds[r]),
+                                                        quantizers[s](normeds[r][0]))
+            units[f"te_norm_{s}"] = lambda r, c, s=s: apply_normalization(
+                outs[r], None, weight, None, EPS, quantizers[s], dtype, "RMSNorm", 0, False)
+        for s in SCALINGS:  # TE's pieces eagerly once (the ops only run with every rank at once)
+            quantizers[s](normeds[0][0])
+            apply_normalization(outs[0], None, weight, None, EPS, quantizers[s], dtype,
+                                "RMSNorm", 0, False)
     torch.cuda.synchronize()
     graphs = {name: _graph(streams, unit) for name, unit in units.items()}
     _check(graphs, fp8, normeds, ranks)
@@ -133,12 +140,12 @@ def _measure(world: int, tokens: int, hidden: int, ctas: int, iters: int) -> lis
     copies = medians.get("restore", 0.0)
     for s in SCALINGS:
         op_us, fused_us = (medians["op"] - copies) / CALLS, (medians[f"fused_{s}"] - copies) / CALLS
-        separate_us = (medians[f"separate_{s}"] - copies) / CALLS
-        te_us = medians[f"te_norm_{s}"] / CALLS
+        separate_us = (medians[f"separate_{s}"] - copies) / CALLS if te else None
+        te_us = medians[f"te_norm_{s}"] / CALLS if te else None
         rows.append(dict(tp=world, tokens=tokens, hidden=hidden, scaling=s, ctas=ctas,
                          op_us=op_us, fused_us=fused_us, separate_us=separate_us,
                          te_norm_quantize_us=te_us, cost=fused_us / op_us - 1.0,
-                         vs_separate=fused_us / separate_us))
+                         vs_separate=fused_us / separate_us if te else None))
     return rows
 
 
@@ -177,8 +184,9 @@ def _plot(result: dict, path: str) -> None:
             x = [r["tokens"] for r in rows]
             line, = ax.plot(x, [r["fused_us"] / r["op_us"] for r in rows], marker="o",
                             label=f"TP {tp}, H {hidden}: op writing FP8")
-            ax.plot(x, [r["separate_us"] / r["op_us"] for r in rows], marker="x", ls="--",
-                    color=line.get_color(), label=f"TP {tp}, H {hidden}: op + TE quantize")
+            if all(r["separate_us"] is not None for r in rows):
+                ax.plot(x, [r["separate_us"] / r["op_us"] for r in rows], marker="x", ls="--",
+                        color=line.get_color(), label=f"TP {tp}, H {hidden}: op + TE quantize")
         ax.axhline(1.03, color="grey", ls=":", lw=1, label="goal: op + 3 %")
         ax.axhline(1.0, color="black", lw=0.5)
         ax.set_xscale("log", base=2)
@@ -216,11 +224,12 @@ def main(argv: list[str] | None = None) -> None:
         for hidden in args.hidden:
             for tokens in args.tokens:
                 for row in _measure(world, tokens, hidden, args.ctas, args.iters):
+                    te = "" if row["separate_us"] is None else (
+                        f", op + TE quantize {row['separate_us']:.1f} us, TE norm + quantize "
+                        f"{row['te_norm_quantize_us']:.1f} us")
                     print(f"TP {world} H {hidden} tokens {tokens} {row['scaling']}: op "
                           f"{row['op_us']:.1f} us, op writing FP8 {row['fused_us']:.1f} us "
-                          f"({100 * row['cost']:+.1f} %), op + TE quantize "
-                          f"{row['separate_us']:.1f} us, TE norm + quantize "
-                          f"{row['te_norm_quantize_us']:.1f} us", flush=True)
+                          f"({100 * row['cost']:+.1f} %){te}", flush=True)
                     rows.append(row)
     write_result("fp8_rows", argv, rows, args.out, _plot)
 

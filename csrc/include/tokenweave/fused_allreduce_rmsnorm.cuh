@@ -3,16 +3,18 @@
 // Two data paths, same math and same inter-rank protocol (signal.cuh):
 //
 // 1. Bulk-copy pipeline (fused_allreduce_rmsnorm_bulk_kernel, the default whenever S >= 2 stages
-//    of P + 1 rows fit in shared memory, see bulk_stages() in ops.cu): one row per CTA iteration.
-//    Thread 0 keeps S stages in flight: stage s holds the P partial rows (one per rank, peers'
-//    read over NVLink) and the residual row of a future row, fetched with cp.async.bulk (no
-//    registers used) and completed on mbarrier full[s]. Every thread waits for full[s], sums its
-//    kVpt 16-byte vectors of the P rows in fp32 in rank order, adds the residual, stores
-//    residual_out, block-reduces the sum of squares; the __syncthreads of that
-//    reduction also proves that every thread is done reading stage s, so thread 0 refills it with
-//    the row S iterations ahead before the CTA normalizes and stores the current one. With P=2,
-//    H=8192 that is 4 stages x 48 KB = 192 KB in flight per CTA (the register path had ~32 KB
-//    of peer data).
+//    of P + 1 rows fit in shared memory, see bulk_stages() in ops.cu): one row per team
+//    iteration, the CTA split into two teams (rmsnorm_row.cuh Team; H <= 8192) that take
+//    alternate rows, each with S / 2 of the stages, so one team's per-row waits overlap the
+//    other's work. A team's thread 0 keeps its stages in flight: stage s holds the P partial rows
+//    (one per rank, peers' read over NVLink) and the residual row of a future row, fetched with
+//    cp.async.bulk (no registers used) and completed on mbarrier full[s]. Every thread of the
+//    team waits for full[s], sums its 16-byte vectors of the P rows in fp32 in rank order, adds
+//    the residual, stores residual_out, reduces the sum of squares over the team; the team's
+//    barrier of that reduction also proves that its threads are done reading stage s, so its
+//    thread 0 refills it with the team's row S / 2 iterations ahead before the team normalizes
+//    and stores the current one. With P=2, H=8192 that is 4 stages x 48 KB = 192 KB in flight
+//    per CTA (the register path had ~32 KB of peer data).
 // 2. Register path (fused_allreduce_rmsnorm_kernel, fallback when fewer than 2 stages fit, e.g.
 //    P=8 and H=8192, or TOKENWEAVE_NO_BULK=1): kRows rows per iteration; every thread loads kVpt
 //    16-byte vectors of each of kRows rows from each of the P peers' partial (all loads issued
@@ -85,15 +87,16 @@ __device__ __forceinline__ void store_normed(const FusedParams& p, char* const (
 // One row's normed vectors from this thread's kVpt vectors y of the row (rs: its rstd), each
 // rounded once to T, then stored by store(v, col, vector) (T rows: the caller's destination) or,
 // for FP8 rows, quantized and stored into normed_local here (`acc`: fp8_begin's). Every thread
-// of the CTA calls it for the row: block scales reduce over lanes.
-template <typename T, int kVpt, typename Store>
-__device__ __forceinline__ void emit_normed(const FusedParams& p, int row,
+// of the team `t` (rmsnorm_row.cuh) calls it for the row: block scales reduce over lanes.
+template <typename T, int kVpt, int kTeams, typename Store>
+__device__ __forceinline__ void emit_normed(Team<kTeams> t, const FusedParams& p, int row,
                                             const float (&y)[kVpt][8], float rs,
                                             const Vec16 (&w)[kVpt], Fp8Acc& acc, Store&& store) {
   const int hv = p.hidden / kVecElems;
   const Fp8Rows& f = p.fp8;
   if (f.mode == kFp8None) {
-    for_each_vec<kVpt>(hv, [&](int v, int col) { store(v, col, normalize_vec<T>(y[v], rs, w[v])); });
+    for_each_vec<kVpt>(t, hv,
+                       [&](int v, int col) { store(v, col, normalize_vec<T>(y[v], rs, w[v])); });
     return;
   }
 #if !TOKENWEAVE_FP8_ROWS
@@ -103,8 +106,8 @@ __device__ __forceinline__ void emit_normed(const FusedParams& p, int row,
                                         static_cast<int64_t>(row) * p.hidden);
 #pragma unroll
   for (int v = 0; v < kVpt; ++v) {
-    if (v * static_cast<int>(blockDim.x) >= hv) break;  // no thread of the CTA has vector v
-    const int col = threadIdx.x + v * blockDim.x;
+    if (v * t.size() >= hv) break;  // no thread of the team has vector v
+    const int col = t.tid() + v * t.size();
     const bool in = col < hv;
     float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (in) set_vec<T>(x, normalize_vec<T>(y[v], rs, w[v]));
@@ -114,7 +117,7 @@ __device__ __forceinline__ void emit_normed(const FusedParams& p, int row,
       if (in) out[col] = fp8_pack8(x, acc.scale);
       continue;
     }
-    // A block is 16 consecutive vectors: 16 aligned lanes (blockDim.x is a multiple of 32).
+    // A block is 16 consecutive vectors: 16 aligned lanes (a team's size is a multiple of 32).
     const float2 s = fp8_block_scales(half_warp_max(m), f);
     if (in) {
       out[col] = fp8_pack8(x, s.x);
@@ -234,7 +237,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int hv = p.hidden / kVecElems;  // vectors per row
   const bool norm = p.weight != nullptr;
   Vec16 w[kVpt];
-  load_weight(p.weight, hv, w);
+  load_weight(CtaTeam{}, p.weight, hv, w);
 
   if (!p.copy_engine &&
       !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.tag, p.timeout_ns, &s_fail)) {
@@ -297,9 +300,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (row0 + r >= p.rows) continue;  // the same in every thread
-      emit_normed<T, kVpt>(p, row0 + r, y[r], ss[r], w, acc, [&](int, int col, const Vec16& o) {
-        store_normed(p, data, chunk, (row0 + r) * row_bytes + col * kVecBytes, o);
-      });
+      emit_normed<T, kVpt>(CtaTeam{}, p, row0 + r, y[r], ss[r], w, acc,
+                           [&](int, int col, const Vec16& o) {
+                             store_normed(p, data, chunk, (row0 + r) * row_bytes + col * kVecBytes,
+                                          o);
+                           });
     }
   }
   fp8_end(p.fp8, acc);
@@ -316,9 +321,11 @@ constexpr int kStageSmemBytes = 192 * 1024;
 template <typename T, int kNp, int kVpt>
 __global__ void __launch_bounds__(kMaxThreads)
     fused_allreduce_rmsnorm_bulk_kernel(const FusedParams p, const int stages) {
+  constexpr int kTeams = teams_for(kVpt);  // rmsnorm_row.cuh
+  constexpr int kV = kVpt * kTeams;         // vectors per thread of a team
   extern __shared__ __align__(128) unsigned char s_stage[];
   __shared__ __align__(8) uint64_t s_full[kMaxStages];
-  __shared__ float s_red[2][kMaxThreads / 32];
+  __shared__ float s_red[kMaxTeams][2][kMaxThreads / 32];
   __shared__ uint32_t s_epoch;
   __shared__ int s_fail;
 
@@ -343,10 +350,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     return;
   }
 
+  // Team t takes the CTA's rows b + (t + i * teams) * G through stages [t * per_team, ...).
+  const Team<kTeams> team;
+  const int per_team = stages / kTeams;
   const int hv = p.hidden / kVecElems;  // vectors per row
   const bool norm = p.weight != nullptr;
-  Vec16 w[kVpt];
-  load_weight(p.weight, hv, w);
+  Vec16 w[kV];
+  load_weight(team, p.weight, hv, w);
 
   if (!p.copy_engine &&
       !cta_barrier<false>(pad_bases, p.rank, world, b, e, p.tag, p.timeout_ns, &s_fail)) {
@@ -359,25 +369,28 @@ __global__ void __launch_bounds__(kMaxThreads)
   const uint32_t stage_bytes = static_cast<uint32_t>((world + 1) * row_bytes);
   const int64_t src_off = p.partial_off + chunk * p.partial_cstride;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
+  const int first = b + team.id() * G, step = kTeams * G;  // this team's rows
+  const int stage0 = team.id() * per_team;
+  float (&red)[2][kMaxThreads / 32] = s_red[team.id()];
 
-  // Thread 0: fetch the P partial rows of `row` (peers' over NVLink) and its residual row into
-  // stage s.
+  // The team's thread 0: fetch the P partial rows of `row` (peers' over NVLink) and its residual
+  // row into stage s.
   auto issue = [&](int s, int row) {
     unsigned char* dst = s_stage + static_cast<int64_t>(s) * stage_bytes;
     mbar_arrive_expect_tx(&s_full[s], stage_bytes);
     const int64_t off = src_off + row * row_bytes;
     for (int q = 0; q < world; ++q)
       bulk_load(dst + q * row_bytes, reinterpret_cast<const char*>(p.bases[q]) + off,
-                static_cast<uint32_t>(row_bytes), &s_full[s]);  // thread 0 only: not unrolled
+                static_cast<uint32_t>(row_bytes), &s_full[s]);  // one thread: not unrolled
     bulk_load(dst + world * row_bytes, static_cast<const char*>(p.residual) + row * row_bytes,
               static_cast<uint32_t>(row_bytes), &s_full[s]);
   };
-  if (tid == 0) {
+  if (team.tid() == 0) {
     fence_proxy_async_global();  // rows published before START (peers') are now bulk-read
-    for (int i = 0; i < stages; ++i) {
-      const int row = b + i * G;
+    for (int i = 0; i < per_team; ++i) {
+      const int row = first + i * step;
       if (row >= p.rows) break;
-      issue(i, row);
+      issue(stage0 + i, row);
     }
   }
 
@@ -385,62 +398,70 @@ __global__ void __launch_bounds__(kMaxThreads)
   uint32_t phase = 0;
   int parity = 0;
   Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
-  // A row's normed stores are emitted one iteration late, between the next row's block sums
-  // and its barrier, so their latency (FP8 rows: the block scales) overlaps that barrier's
-  // wait instead of adding to the row's.
-  float y_prev[kVpt][8];
+  // One team: a row's normed stores are emitted one iteration late, between the next row's
+  // block sums and its barrier, so their latency (FP8 rows: the block scales) overlaps that
+  // barrier's wait instead of adding to the row's. Two teams: at once (the other team's work
+  // overlaps them; no registers for a second row).
+  float y_prev[kTeams == 1 ? kV : 1][kTeams == 1 ? 8 : 1];
   float rs_prev = 0.f;
   int prev = -1;
-  auto emit = [&](int r) {
-    emit_normed<T, kVpt>(p, r, y_prev, rs_prev, w, acc, [&](int, int col, const Vec16& o) {
+  auto emit = [&](int r, const float (&yr)[kV][8], float rs) {
+    emit_normed<T, kV>(team, p, r, yr, rs, w, acc, [&](int, int col, const Vec16& o) {
       store_normed(p, data, chunk, r * row_bytes + col * kVecBytes, o);
     });
   };
-  for (int row = b; row < p.rows; row += G, parity ^= 1) {
-    mbar_wait(&s_full[s], phase);
-    const unsigned char* st = s_stage + static_cast<int64_t>(s) * stage_bytes;
-    float y[kVpt][8];
-    float ss = 0.f;
+  for (int row = first; row < p.rows; row += step, parity ^= 1) {
+    mbar_wait(&s_full[stage0 + s], phase);
+    const unsigned char* st = s_stage + static_cast<int64_t>(stage0 + s) * stage_bytes;
+    float y[kV][8];
+    float ss[kTeams] = {};
 #pragma unroll
-    for (int v = 0; v < kVpt; ++v) {
-      const int col = tid + v * blockDim.x;
+    for (int m = 0; m < kV; ++m) {
+      const int col = team.tid() + m * team.size();
       if (col < hv) {
-        set_vec<T>(y[v], reinterpret_cast<const Vec16*>(st)[col]);
+        set_vec<T>(y[m], reinterpret_cast<const Vec16*>(st)[col]);
 #pragma unroll
         for (int q = 1; q < kNp; ++q)
           if (q < world)
-            add_vec<T>(y[v], reinterpret_cast<const Vec16*>(st + q * row_bytes)[col]);
-        add_vec<T>(y[v], reinterpret_cast<const Vec16*>(st + world * row_bytes)[col]);
+            add_vec<T>(y[m], reinterpret_cast<const Vec16*>(st + q * row_bytes)[col]);
+        add_vec<T>(y[m], reinterpret_cast<const Vec16*>(st + world * row_bytes)[col]);
         reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
-            pack_vec<T>(y[v]);
-        add_squares(ss, y[v]);
+            pack_vec<T>(y[m]);
+        add_squares(ss[m % kTeams], y[m]);
       }
     }
-    publish_warp_sum(ss, s_red[parity]);
-    if (prev >= 0) emit(prev);  // the same in every thread
-    // After this sync every thread is done reading stage s (and s_red[parity] is complete;
-    // it is rewritten two iterations later, after another sync).
-    __syncthreads();
-    if (tid == 0) {
-      const int next = row + stages * G;
+    publish_row_sums(team, ss, red[parity]);
+    if constexpr (kTeams == 1)
+      if (prev >= 0) emit(prev, y_prev, rs_prev);  // the same in every thread
+    // After this sync every thread of the team is done reading stage s (and red[parity] is
+    // complete; it is rewritten two iterations later, after another sync).
+    team.sync();
+    if (team.tid() == 0) {
+      const int next = row + per_team * step;
       if (next < p.rows) {
         fence_proxy_async_shared();  // the threads' reads of stage s before the copy's writes
-        issue(s, next);
+        issue(stage0 + s, next);
       }
     }
-    if (++s == stages) {
+    if (++s == per_team) {
       s = 0;
       phase ^= 1;
     }
     if (!norm) continue;
-    rs_prev = block_rstd(s_red[parity], inv_h, p.eps);
-    prev = row;
+    const float rs = block_rstd(red[parity], inv_h, p.eps);
+    if constexpr (kTeams == 1) {
+      rs_prev = rs;
+      prev = row;
 #pragma unroll
-    for (int v = 0; v < kVpt; ++v)
+      for (int m = 0; m < kV; ++m)
 #pragma unroll
-      for (int k = 0; k < 8; ++k) y_prev[v][k] = y[v][k];
+        for (int k = 0; k < 8; ++k) y_prev[m][k] = y[m][k];
+    } else {
+      emit(row, y, rs);
+    }
   }
-  if (prev >= 0) emit(prev);
+  if constexpr (kTeams == 1)
+    if (prev >= 0) emit(prev, y_prev, rs_prev);
   fp8_end(p.fp8, acc);
 
   if (!p.copy_engine &&

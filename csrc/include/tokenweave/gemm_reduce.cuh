@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   auto reduce_mine = [&]() -> bool {
     Vec16 w[kVpt];
-    load_weight(p.weight, hv, w);
+    load_weight(CtaTeam{}, p.weight, hv, w);
     const int first_row = sp ? 0 : p.rank * g.seg_rows;  // of residual / the y rows
     int block = -1, parity = 0;
     for (int j = blockIdx.x; j < g.my_rows; j += gridDim.x, parity ^= 1) {
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       const int64_t roff = static_cast<int64_t>(first_row + j) * row_bytes;
       float y[kVpt][8];
       float ss = 0.f;
-      for_each_vec<kVpt>(hv, [&](int v, int col) {
+      for_each_vec<kVpt>(CtaTeam{}, hv, [&](int v, int col) {
         const int64_t c = static_cast<int64_t>(col) * kVecBytes;
         Vec16 in[kNp];
 #pragma unroll
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       publish_warp_sum(ss, s_red[parity]);
       __syncthreads();  // s_red[parity] is rewritten two rows later, after another sync
       const float rs = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
-      for_each_vec<kVpt>(hv, [&](int v, int col) {
+      for_each_vec<kVpt>(CtaTeam{}, hv, [&](int v, int col) {
         store_normed(p, data, p.rank, roff + static_cast<int64_t>(col) * kVecBytes,
                      normalize_vec<T>(y[v], rs, w[v]));
       });

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   const bool norm = p.weight != nullptr;
   Vec16 w[kVpt];
-  load_weight(p.weight, hv, w);
+  load_weight(CtaTeam{}, p.weight, hv, w);
   const char* inbox = reinterpret_cast<const char*>(pad_bases[p.rank]) + slot0;
   const float inv_h = 1.0f / static_cast<float>(p.hidden);
   const uint64_t t0 = global_timer_ns();
@@ -274,13 +274,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       poison_outputs(p, nan_pair<T>());
       return;
     }
-    for_each_vec<kVpt>(hv, [&](int v, int col) {
+    for_each_vec<kVpt>(CtaTeam{}, hv, [&](int v, int col) {
       reinterpret_cast<Vec16*>(static_cast<char*>(p.residual_out) + row * row_bytes)[col] =
           pack_vec<T>(y[v]);
     });
     if (!norm) continue;
     const float rs = block_rstd(s_red[parity], inv_h, p.eps);
-    emit_normed<T, kVpt>(p, row, y, rs, w, acc, [&](int, int col, const Vec16& o) {
+    emit_normed<T, kVpt>(CtaTeam{}, p, row, y, rs, w, acc, [&](int, int col, const Vec16& o) {
       reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] = o;
     });
   }

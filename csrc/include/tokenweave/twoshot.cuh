@@ -16,7 +16,8 @@
 //      partial, and has finished reading mine;
 //   4. all rows of CTA b, every chunk, from my own partial (now y; read at L2, since a row's
 //      cache line may hold a neighbouring row this CTA loaded in step 2): copy to residual_out,
-//      reduce the sum of squares over the CTA, normalize, store normed_out locally.
+//      reduce the sum of squares, normalize, store normed_out locally; the CTA's two teams
+//      (rmsnorm_row.cuh Team; H <= 8192) take alternate rows.
 // Every rank normalizes the same rounded y, so the replicated outputs are bit-identical across
 // ranks. The partial buffer holds y afterwards (it is the communicator's scratch). A residual_out
 // that aliases residual is safe: CTA b reads the residual only of the rows it writes itself.
@@ -55,50 +56,65 @@ __device__ __forceinline__ void poison_chunk_rows(const FusedParams& p, uint32_t
 template <typename T, int kVpt>
 __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const char* own,
                                                      int chunk_rows) {
-  __shared__ float s_red[2][kMaxThreads / 32];
+  constexpr int kTeams = teams_for(kVpt);  // rmsnorm_row.cuh
+  constexpr int kV = kVpt * kTeams;         // vectors per thread of a team
+  __shared__ float s_red[kMaxTeams][2][kMaxThreads / 32];
+  // Team t takes rows b + (t + i * teams) * G of each chunk: two rows' load latencies, block
+  // reductions and epilogues in flight per CTA.
+  const Team<kTeams> team;
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
-  Vec16 w[kVpt];
-  load_weight(p.weight, hv, w);
+  Vec16 w[kV];
+  load_weight(team, p.weight, hv, w);
   char* res_out = static_cast<char*>(p.residual_out);
   char* normed = static_cast<char*>(p.normed_local);
+  float (&red)[2][kMaxThreads / 32] = s_red[team.id()];
+  const int step = kTeams * gridDim.x;
   int parity = 0;
   Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
-  // A row's normed stores are emitted one row late, before the next row's barrier (as in the
-  // bulk kernel: their latency overlaps that barrier's wait).
-  float y_prev[kVpt][8];
+  // One team: a row's normed stores are emitted one row late, before the next row's barrier
+  // (as in the bulk kernel: their latency overlaps that barrier's wait); two teams: at once.
+  float y_prev[kTeams == 1 ? kV : 1][kTeams == 1 ? 8 : 1];
   float rs_prev = 0.f;
   int prev = -1;
-  auto emit = [&](int r) {
-    emit_normed<T, kVpt>(p, r, y_prev, rs_prev, w, acc, [&](int, int col, const Vec16& o) {
+  auto emit = [&](int r, const float (&yr)[kV][8], float rs) {
+    emit_normed<T, kV>(team, p, r, yr, rs, w, acc, [&](int, int col, const Vec16& o) {
       reinterpret_cast<Vec16*>(normed + r * row_bytes)[col] = o;
     });
   };
   for (int c = 0; c < p.world; ++c) {
     const int end = min(p.rows, (c + 1) * chunk_rows);
-    for (int row = c * chunk_rows + blockIdx.x; row < end; row += gridDim.x, parity ^= 1) {
+    for (int row = c * chunk_rows + blockIdx.x + team.id() * gridDim.x; row < end;
+         row += step, parity ^= 1) {
       const int64_t roff = row * row_bytes;
-      float y[kVpt][8];
-      float ss = 0.f;
-      for_each_vec<kVpt>(hv, [&](int v, int col) {
+      float y[kV][8];
+      float ss[kTeams] = {};
+      for_each_vec<kV>(team, hv, [&](int m, int col) {
         const Vec16 yv = load_vec_l2(own + roff + static_cast<int64_t>(col) * kVecBytes);
         reinterpret_cast<Vec16*>(res_out + roff)[col] = yv;
-        set_vec<T>(y[v], yv);
-        add_squares(ss, y[v]);
+        set_vec<T>(y[m], yv);
+        add_squares(ss[m % kTeams], y[m]);
       });
       if (p.weight == nullptr) continue;
-      publish_warp_sum(ss, s_red[parity]);
-      if (prev >= 0) emit(prev);  // the same in every thread
-      __syncthreads();  // s_red[parity] is rewritten two rows later, after another sync
-      rs_prev = block_rstd(s_red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
-      prev = row;
+      publish_row_sums(team, ss, red[parity]);
+      if constexpr (kTeams == 1)
+        if (prev >= 0) emit(prev, y_prev, rs_prev);  // the same in every thread
+      team.sync();  // red[parity] is rewritten two rows later, after another sync
+      const float rs = block_rstd(red[parity], 1.0f / static_cast<float>(p.hidden), p.eps);
+      if constexpr (kTeams == 1) {
+        rs_prev = rs;
+        prev = row;
 #pragma unroll
-      for (int v = 0; v < kVpt; ++v)
+        for (int m = 0; m < kV; ++m)
 #pragma unroll
-        for (int k = 0; k < 8; ++k) y_prev[v][k] = y[v][k];
+          for (int k = 0; k < 8; ++k) y_prev[m][k] = y[m][k];
+      } else {
+        emit(row, y, rs);
+      }
     }
   }
-  if (prev >= 0) emit(prev);
+  if constexpr (kTeams == 1)
+    if (prev >= 0) emit(prev, y_prev, rs_prev);
   fp8_end(p.fp8, acc);
 }
 
@@ -126,7 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // 2. my chunk: reduce, add the residual, write y back to every rank's partial.
   const int mine_end = min(p.rows, (p.rank + 1) * chunk_rows);
   for (int row = p.rank * chunk_rows + blockIdx.x; row < mine_end; row += gridDim.x) {
-    for_each_vec<kVpt>(hv, [&](int, int col) {
+    for_each_vec<kVpt>(CtaTeam{}, hv, [&](int, int col) {
       const int64_t off = p.partial_off + row * row_bytes + static_cast<int64_t>(col) * kVecBytes;
       Vec16 in[kNp];
 #pragma unroll
