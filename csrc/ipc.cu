@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "tokenweave/check.h"
 #include "tokenweave/signal.cuh"
 
 namespace tokenweave {
@@ -14,12 +15,12 @@ namespace tokenweave {
 #define TW_CUDA_CHECK(expr)                                                               \
   do {                                                                                    \
     cudaError_t err_ = (expr);                                                            \
-    TORCH_CHECK(err_ == cudaSuccess, "tokenweave: ", #expr, " failed: ",                   \
-                cudaGetErrorString(err_), " (", static_cast<int>(err_), ")");             \
+    TW_CHECK(err_ == cudaSuccess, "tokenweave: ", #expr, " failed: ",                     \
+             cudaGetErrorString(err_), " (", static_cast<int>(err_), ")");                \
   } while (0)
 
 int64_t ipc_malloc(int64_t nbytes, int64_t device) {
-  TORCH_CHECK(nbytes > 0, "tokenweave: ipc_malloc needs nbytes > 0, got ", nbytes);
+  TW_CHECK(nbytes > 0, "tokenweave: ipc_malloc needs nbytes > 0, got ", nbytes);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   TW_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(nbytes)));
@@ -44,10 +45,10 @@ at::Tensor ipc_get_handle(int64_t ptr, int64_t device) {
 }
 
 int64_t ipc_open_handle(const at::Tensor& handle, int64_t device) {
-  TORCH_CHECK(handle.device().is_cpu() && handle.scalar_type() == at::kByte &&
-                  handle.numel() == static_cast<int64_t>(sizeof(cudaIpcMemHandle_t)),
-              "tokenweave: an IPC handle is a CPU uint8 tensor of ", sizeof(cudaIpcMemHandle_t),
-              " bytes");
+  TW_CHECK(handle.device().is_cpu() && handle.scalar_type() == at::kByte &&
+               handle.numel() == static_cast<int64_t>(sizeof(cudaIpcMemHandle_t)),
+           "tokenweave: an IPC handle is a CPU uint8 tensor of ", sizeof(cudaIpcMemHandle_t),
+           " bytes");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.contiguous().data_ptr(), sizeof(h));

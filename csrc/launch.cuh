@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "tokenweave/check.h"
 #include "tokenweave/fused_allreduce_rmsnorm.cuh"
 #include "tokenweave/gemm_reduce.cuh"
 
@@ -29,8 +30,8 @@ inline LaunchShape launch_shape(int64_t hidden) {
     const int64_t unit = 32 * teams_for(vpt);
     if (t <= kMaxThreads) return {vpt, static_cast<int>(((t + unit - 1) / unit) * unit)};
   }
-  TORCH_CHECK(false, "tokenweave: hidden ", hidden, " too large (max ",
-              kMaxThreads * kMaxVecsPerThread * kVecElems, ")");
+  TW_CHECK(false, "tokenweave: hidden ", hidden, " too large (max ",
+           kMaxThreads * kMaxVecsPerThread * kVecElems, ")");
   return {0, 0};
 }
 
@@ -57,7 +58,7 @@ void with_np_vpt(int np, int vpt, F&& f) {
 
 inline void check_launch() {
   const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
+  TW_CHECK(err == cudaSuccess, "tokenweave: kernel launch failed: ", cudaGetErrorString(err));
 }
 
 inline int grid_of(int64_t units, int64_t ctas) {

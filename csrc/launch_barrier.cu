@@ -12,13 +12,13 @@ namespace {
 template <typename Kernel>
 void allow_stage_smem(Kernel kernel, std::atomic<uint64_t>& done) {
   int dev = 0;
-  TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "tokenweave: cudaGetDevice failed");
+  TW_CHECK(cudaGetDevice(&dev) == cudaSuccess, "tokenweave: cudaGetDevice failed");
   const uint64_t bit = uint64_t{1} << (dev & 63);
   if (done.load(std::memory_order_acquire) & bit) return;
   const cudaError_t err = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStageSmemBytes);
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaFuncSetAttribute failed: ",
-              cudaGetErrorString(err));
+  TW_CHECK(err == cudaSuccess, "tokenweave: cudaFuncSetAttribute failed: ",
+           cudaGetErrorString(err));
   done.fetch_or(bit, std::memory_order_acq_rel);
 }
 

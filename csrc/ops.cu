@@ -20,7 +20,8 @@
 // every rank, so it is agreed once, in Python, and stored in the Communicator.
 // Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; fake
 // implementations live in Python (megatron_tokenweave/kernels/_ext.py). The Python side validates
-// first and raises TokenWeaveInputError; the TORCH_CHECKs below are the last line of defence.
+// first and raises TokenWeaveInputError; the TW_CHECKs below (check.h) are the last line of
+// defence.
 // No host sync, no allocation: the op only enqueues kernels (the copy-engine op: barrier kernels,
 // copies and one kernel) on the current stream (CUDA-graph capturable).
 #include <ATen/ATen.h>
@@ -97,24 +98,24 @@ namespace {
 
 Communicator& comm_of(int64_t handle) {
   auto* c = reinterpret_cast<Communicator*>(handle);
-  TORCH_CHECK(c != nullptr && c->magic == Communicator::kMagic,
-              "tokenweave: not a live communicator handle (destroyed, or never created)");
+  TW_CHECK(c != nullptr && c->magic == Communicator::kMagic,
+           "tokenweave: not a live communicator handle (destroyed, or never created)");
   return *c;
 }
 
 // The kernels move 16-byte vectors (and bulk copies of whole rows) from and to every tensor.
 void check_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kVecBytes == 0, "tokenweave: ", name,
-              " is not 16-byte aligned");
+  TW_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kVecBytes == 0, "tokenweave: ", name,
+           " is not 16-byte aligned");
 }
 
 void check_in_buffer(const at::Tensor& t, const char* name, const Communicator& c,
                      int64_t extent_bytes) {
   const int64_t off = reinterpret_cast<int64_t>(t.data_ptr()) - c.local_base;
-  TORCH_CHECK(off >= 0 && off + extent_bytes <= c.buffer_bytes, "tokenweave: ", name,
-              " is not inside the symmetric buffer (offset ", off, ", extent ", extent_bytes,
-              ", buffer ", c.buffer_bytes, " bytes)");
-  TORCH_CHECK(off % kVecBytes == 0, "tokenweave: ", name, " is not 16-byte aligned");
+  TW_CHECK(off >= 0 && off + extent_bytes <= c.buffer_bytes, "tokenweave: ", name,
+           " is not inside the symmetric buffer (offset ", off, ", extent ", extent_bytes,
+           ", buffer ", c.buffer_bytes, " bytes)");
+  TW_CHECK(off % kVecBytes == 0, "tokenweave: ", name, " is not 16-byte aligned");
 }
 
 // The layout follows from partial's chunks: `world` (sequence parallel: chunk r is reduced onto
@@ -125,33 +126,33 @@ void check_in_buffer(const at::Tensor& t, const char* name, const Communicator& 
 Fp8Rows fp8_rows_of(const at::Tensor& partial, int64_t rows, int64_t hidden,
                     at::TensorList scales, at::ArrayRef<double> scaling) {
   Fp8Rows f{};
-  TORCH_CHECK(!scaling.empty() && (scaling[0] == kFp8TensorScale || scaling[0] == kFp8Blocks),
-              "tokenweave: FP8 normed rows need their scaling: [1] (one known scale) or "
-              "[2, amax_eps, pow2] (1 x 128 blocks)");
+  TW_CHECK(!scaling.empty() && (scaling[0] == kFp8TensorScale || scaling[0] == kFp8Blocks),
+           "tokenweave: FP8 normed rows need their scaling: [1] (one known scale) or "
+           "[2, amax_eps, pow2] (1 x 128 blocks)");
   f.mode = static_cast<int>(scaling[0]);
   const size_t want = f.mode == kFp8TensorScale ? 3 : 1;
-  TORCH_CHECK(scales.size() == want && scaling.size() == (f.mode == kFp8TensorScale ? 1u : 3u),
-              "tokenweave: FP8 scaling mode ", f.mode, " takes ", want, " scale tensors");
+  TW_CHECK(scales.size() == want && scaling.size() == (f.mode == kFp8TensorScale ? 1u : 3u),
+           "tokenweave: FP8 scaling mode ", f.mode, " takes ", want, " scale tensors");
   for (const at::Tensor& t : scales)
-    TORCH_CHECK(t.device() == partial.device() && t.scalar_type() == at::kFloat &&
-                    t.is_contiguous(),
-                "tokenweave: FP8 scales must be contiguous fp32 tensors on partial's device");
+    TW_CHECK(t.device() == partial.device() && t.scalar_type() == at::kFloat &&
+                 t.is_contiguous(),
+             "tokenweave: FP8 scales must be contiguous fp32 tensors on partial's device");
   if (f.mode == kFp8TensorScale) {
     for (const at::Tensor& t : scales)
-      TORCH_CHECK(t.numel() == 1, "tokenweave: a tensor scale, its amax and its scale_inv are "
-                  "one element each");
+      TW_CHECK(t.numel() == 1, "tokenweave: a tensor scale, its amax and its scale_inv are "
+               "one element each");
     f.scale = scales[0].data_ptr<float>();
     f.amax = scales[1].data_ptr<float>();
     f.scale_inv = scales[2].data_ptr<float>();
     return f;
   }
   const int64_t stride = (rows + 3) / 4 * 4;
-  TORCH_CHECK(hidden % kFp8BlockCols == 0, "tokenweave: 1 x 128 block scales need hidden a "
-              "multiple of 128, got ", hidden);
-  TORCH_CHECK(scales[0].dim() == 2 && scales[0].size(0) == hidden / kFp8BlockCols &&
-                  scales[0].size(1) == stride,
-              "tokenweave: block scale_inv must be [hidden / 128, round_up(rows, 4)] = [",
-              hidden / kFp8BlockCols, ", ", stride, "]");
+  TW_CHECK(hidden % kFp8BlockCols == 0, "tokenweave: 1 x 128 block scales need hidden a "
+           "multiple of 128, got ", hidden);
+  TW_CHECK(scales[0].dim() == 2 && scales[0].size(0) == hidden / kFp8BlockCols &&
+               scales[0].size(1) == stride,
+           "tokenweave: block scale_inv must be [hidden / 128, round_up(rows, 4)] = [",
+           hidden / kFp8BlockCols, ", ", stride, "]");
   f.scale_inv = scales[0].data_ptr<float>();
   f.stride = static_cast<int>(stride);
   f.amax_eps = static_cast<float>(scaling[1]);
@@ -165,28 +166,28 @@ FusedParams make_params(const Communicator& c, const at::Tensor& partial,
                         double eps, at::Tensor& residual_out,
                         const std::optional<at::Tensor>& normed_out, int64_t ctas, int64_t tag,
                         at::TensorList scales = {}, at::ArrayRef<double> scaling = {}) {
-  TORCH_CHECK(tag > 0 && tag <= 0xFFFFFFFFll, "tokenweave: the call tag must be in 1..2^32-1, "
-              "got ", tag);
-  TORCH_CHECK(partial.is_cuda() && partial.dim() == 3 && partial.is_contiguous(),
-              "tokenweave: partial must be a contiguous [chunks, rows, hidden] CUDA tensor");
-  TORCH_CHECK(partial.get_device() == c.device, "tokenweave: partial is on cuda:",
-              partial.get_device(), ", the communicator on cuda:", c.device);
+  TW_CHECK(tag > 0 && tag <= 0xFFFFFFFFll, "tokenweave: the call tag must be in 1..2^32-1, "
+           "got ", tag);
+  TW_CHECK(partial.is_cuda() && partial.dim() == 3 && partial.is_contiguous(),
+           "tokenweave: partial must be a contiguous [chunks, rows, hidden] CUDA tensor");
+  TW_CHECK(partial.get_device() == c.device, "tokenweave: partial is on cuda:",
+           partial.get_device(), ", the communicator on cuda:", c.device);
   const auto dt = partial.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "tokenweave: dtype must be bf16 or fp16");
-  TORCH_CHECK(ctas >= 1 && ctas <= kMaxCtas, "tokenweave: ctas ", ctas, " out of range 1..",
-              kMaxCtas);
+  TW_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "tokenweave: dtype must be bf16 or fp16");
+  TW_CHECK(ctas >= 1 && ctas <= kMaxCtas, "tokenweave: ctas ", ctas, " out of range 1..",
+           kMaxCtas);
   const int64_t chunks = partial.size(0), rows = partial.size(1), hidden = partial.size(2);
-  TORCH_CHECK(chunks == c.world || chunks == 1, "tokenweave: partial has ", chunks,
-              " chunks: ", c.world, " (sequence parallel) or 1 (replicated)");
+  TW_CHECK(chunks == c.world || chunks == 1, "tokenweave: partial has ", chunks,
+           " chunks: ", c.world, " (sequence parallel) or 1 (replicated)");
   const bool sequence_parallel = chunks == c.world;
-  TORCH_CHECK(hidden % kVecElems == 0, "tokenweave: hidden must be a multiple of 8");
-  TORCH_CHECK(rows < (int64_t{1} << 31) / 4, "tokenweave: too many rows");
+  TW_CHECK(hidden % kVecElems == 0, "tokenweave: hidden must be a multiple of 8");
+  TW_CHECK(rows < (int64_t{1} << 31) / 4, "tokenweave: too many rows");
   const int64_t es = partial.element_size();
   for (const at::Tensor* t : {&residual, static_cast<const at::Tensor*>(&residual_out)}) {
-    TORCH_CHECK(t->device() == partial.device() && t->scalar_type() == dt &&
-                    t->is_contiguous() && t->numel() == rows * hidden,
-                "tokenweave: residual/residual_out must be contiguous [rows, hidden] of partial's "
-                "dtype on its device");
+    TW_CHECK(t->device() == partial.device() && t->scalar_type() == dt &&
+                 t->is_contiguous() && t->numel() == rows * hidden,
+             "tokenweave: residual/residual_out must be contiguous [rows, hidden] of partial's "
+             "dtype on its device");
     check_aligned(*t, "residual/residual_out");
   }
   check_in_buffer(partial, "partial", c, chunks * rows * hidden * es);
@@ -207,46 +208,46 @@ FusedParams make_params(const Communicator& c, const at::Tensor& partial,
   p.local_stores_only = c.local_stores_only ? 1 : 0;
   p.tag = c.check_calls ? static_cast<uint32_t>(tag) : 0u;
   if (weight.has_value()) {
-    TORCH_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
+    TW_CHECK(normed_out.has_value(), "tokenweave: normed_out required with a weight");
     const at::Tensor& w = *weight;
     const at::Tensor& no = *normed_out;
-    TORCH_CHECK(w.device() == partial.device() && w.scalar_type() == dt && w.is_contiguous() &&
-                    w.numel() == hidden,
-                "tokenweave: weight must be a contiguous [hidden] tensor of partial's dtype on "
-                "its device");
+    TW_CHECK(w.device() == partial.device() && w.scalar_type() == dt && w.is_contiguous() &&
+                 w.numel() == hidden,
+             "tokenweave: weight must be a contiguous [hidden] tensor of partial's dtype on "
+             "its device");
     check_aligned(w, "weight");
     check_aligned(no, "normed_out");
     const bool fp8 = no.scalar_type() == at::kFloat8_e4m3fn;
-    TORCH_CHECK(fp8 || (scales.empty() && scaling.empty()),
-                "tokenweave: FP8 scales given for normed rows of ", no.scalar_type());
+    TW_CHECK(fp8 || (scales.empty() && scaling.empty()),
+             "tokenweave: FP8 scales given for normed rows of ", no.scalar_type());
     if (fp8) {
-      TORCH_CHECK(!sequence_parallel && c.multicast_base == 0,
-                  "tokenweave: FP8 normed rows take the replicated layout (not sequence "
-                  "parallel, not multimem)");
-      TORCH_CHECK(c.arch >= kFp8MinArch, "tokenweave: FP8 normed rows need sm_", kFp8MinArch,
-                  " or newer (e4m3 conversion instructions); this GPU is sm_", c.arch);
+      TW_CHECK(!sequence_parallel && c.multicast_base == 0,
+               "tokenweave: FP8 normed rows take the replicated layout (not sequence "
+               "parallel, not multimem)");
+      TW_CHECK(c.arch >= kFp8MinArch, "tokenweave: FP8 normed rows need sm_", kFp8MinArch,
+               " or newer (e4m3 conversion instructions); this GPU is sm_", c.arch);
       p.fp8 = fp8_rows_of(partial, rows, hidden, scales, scaling);
     }
-    TORCH_CHECK(no.device() == partial.device() && (fp8 || no.scalar_type() == dt) &&
-                    no.dim() == 3 &&
-                    no.size(0) == chunks && no.size(1) == rows && no.size(2) == hidden &&
-                    no.stride(2) == 1 && (rows <= 1 || no.stride(1) == hidden),
-                "tokenweave: normed_out must be [chunks, rows, hidden] of partial's dtype (or "
-                "float8_e4m3fn) with dense rows");
+    TW_CHECK(no.device() == partial.device() && (fp8 || no.scalar_type() == dt) &&
+                 no.dim() == 3 &&
+                 no.size(0) == chunks && no.size(1) == rows && no.size(2) == hidden &&
+                 no.stride(2) == 1 && (rows <= 1 || no.stride(1) == hidden),
+             "tokenweave: normed_out must be [chunks, rows, hidden] of partial's dtype (or "
+             "float8_e4m3fn) with dense rows");
     p.weight = w.data_ptr();
     if (sequence_parallel) {
-      TORCH_CHECK(chunks == 1 || no.stride(0) >= 0, "tokenweave: negative normed_out stride");
+      TW_CHECK(chunks == 1 || no.stride(0) >= 0, "tokenweave: negative normed_out stride");
       const int64_t extent = ((chunks - 1) * no.stride(0) + rows * hidden) * es;
       check_in_buffer(no, "normed_out", c, extent);
-      TORCH_CHECK((no.stride(0) * es) % kVecBytes == 0,
-                  "tokenweave: normed_out chunk stride must be a multiple of 16 bytes");
+      TW_CHECK((no.stride(0) * es) % kVecBytes == 0,
+               "tokenweave: normed_out chunk stride must be a multiple of 16 bytes");
       p.normed_off = reinterpret_cast<int64_t>(no.data_ptr()) - c.local_base;
       p.normed_cstride = no.stride(0) * es;
     } else {
       p.normed_local = no.data_ptr();
     }
   } else {
-    TORCH_CHECK(!normed_out.has_value(), "tokenweave: normed_out given without a weight");
+    TW_CHECK(!normed_out.has_value(), "tokenweave: normed_out given without a weight");
   }
   return p;
 }
@@ -316,31 +317,31 @@ struct SegmentGeometry {
 // The geometry from the op's list, checked against the call and the inbox (the one place).
 SegmentGeometry geometry_of(const Communicator& c, const FusedParams& p, int64_t elem_bytes,
                             at::IntArrayRef list) {
-  TORCH_CHECK(list.size() == 6, "tokenweave: segments must be [set, row0, seg_rows, block_rows, "
-              "col_tiles, publish], got ", list.size(), " entries");
+  TW_CHECK(list.size() == 6, "tokenweave: segments must be [set, row0, seg_rows, block_rows, "
+           "col_tiles, publish], got ", list.size(), " entries");
   const SegmentGeometry g{list[0], list[1], list[2], list[3], list[4], list[5] != 0};
-  TORCH_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
-              "inbox (comm_attach_inbox)");
+  TW_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
+           "inbox (comm_attach_inbox)");
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * elem_bytes;
-  TORCH_CHECK(row_bytes == c.row_bytes, "tokenweave: rows of ", row_bytes, " bytes, the inbox "
-              "holds rows of ", c.row_bytes, " (another hidden size or dtype)");
-  TORCH_CHECK(g.set == 0 || g.set == 1, "tokenweave: inbox set must be 0 or 1, got ", g.set);
-  TORCH_CHECK(list[5] == 0 || list[5] == 1, "tokenweave: publish must be 0 or 1");
-  TORCH_CHECK(g.block_rows >= 1 && g.col_tiles >= 1 && g.col_tiles <= c.flag_tiles,
-              "tokenweave: block_rows must be positive and col_tiles in 1..", c.flag_tiles);
-  TORCH_CHECK(g.seg_rows >= 1 && g.row0 >= 0 && g.row0 + g.seg_rows <= c.slot_rows,
-              "tokenweave: inbox rows [", g.row0, ", ", g.row0 + g.seg_rows, ") outside the ",
+  TW_CHECK(row_bytes == c.row_bytes, "tokenweave: rows of ", row_bytes, " bytes, the inbox "
+           "holds rows of ", c.row_bytes, " (another hidden size or dtype)");
+  TW_CHECK(g.set == 0 || g.set == 1, "tokenweave: inbox set must be 0 or 1, got ", g.set);
+  TW_CHECK(list[5] == 0 || list[5] == 1, "tokenweave: publish must be 0 or 1");
+  TW_CHECK(g.block_rows >= 1 && g.col_tiles >= 1 && g.col_tiles <= c.flag_tiles,
+           "tokenweave: block_rows must be positive and col_tiles in 1..", c.flag_tiles);
+  TW_CHECK(g.seg_rows >= 1 && g.row0 >= 0 && g.row0 + g.seg_rows <= c.slot_rows,
+           "tokenweave: inbox rows [", g.row0, ", ", g.row0 + g.seg_rows, ") outside the ",
               c.slot_rows, " rows of a slot");
-  TORCH_CHECK((g.seg_rows + g.block_rows - 1) / g.block_rows <= c.flag_blocks,
-              "tokenweave: ", g.seg_rows, " rows of ", g.block_rows, "-row blocks need more than "
-              "the ", c.flag_blocks, " flag blocks of the inbox");
+  TW_CHECK((g.seg_rows + g.block_rows - 1) / g.block_rows <= c.flag_blocks,
+           "tokenweave: ", g.seg_rows, " rows of ", g.block_rows, "-row blocks need more than "
+           "the ", c.flag_blocks, " flag blocks of the inbox");
   if (p.sequence_parallel) {
-    TORCH_CHECK(g.seg_rows == p.rows, "tokenweave: sequence parallel: seg_rows (", g.seg_rows,
-                ") must equal the rows of a chunk (", p.rows, ")");
+    TW_CHECK(g.seg_rows == p.rows, "tokenweave: sequence parallel: seg_rows (", g.seg_rows,
+             ") must equal the rows of a chunk (", p.rows, ")");
   } else {
-    TORCH_CHECK(g.seg_rows * c.world >= p.rows && g.seg_rows % g.block_rows == 0,
-                "tokenweave: replicated: ", c.world, " segments of seg_rows (", g.seg_rows,
-                ") must cover the ", p.rows, " rows and be whole blocks of ", g.block_rows);
+    TW_CHECK(g.seg_rows * c.world >= p.rows && g.seg_rows % g.block_rows == 0,
+             "tokenweave: replicated: ", c.world, " segments of seg_rows (", g.seg_rows,
+             ") must cover the ", p.rows, " rows and be whole blocks of ", g.block_rows);
   }
   return g;
 }
@@ -390,21 +391,21 @@ void launch_copy_engine(const Communicator& c, const FusedParams& p, int64_t cta
                         : path == kPathCopyEngineReduce ? kCeReduce
                                                         : kCeWhole;
   const bool gather_normed = p.sequence_parallel && p.weight != nullptr;
-  TORCH_CHECK(c.mirror_bytes > 0, "tokenweave: the copy-engine path needs the communicator's "
-              "mirror (comm_attach_mirror)");
-  TORCH_CHECK(phase == kCeWhole || !gather_normed,
-              "tokenweave: the copy-engine op runs in two phases only when it gathers no normed "
-              "rows (replicated layout, or no norm)");
+  TW_CHECK(c.mirror_bytes > 0, "tokenweave: the copy-engine path needs the communicator's "
+           "mirror (comm_attach_mirror)");
+  TW_CHECK(phase == kCeWhole || !gather_normed,
+           "tokenweave: the copy-engine op runs in two phases only when it gathers no normed "
+           "rows (replicated layout, or no norm)");
   const int64_t bytes = static_cast<int64_t>(p.rows) * p.hidden * sizeof(T);  // one chunk's rows
   const int64_t src_off = p.partial_off + (p.sequence_parallel ? p.rank : 0) * p.partial_cstride;
-  TORCH_CHECK(src_off + bytes <= c.mirror_bytes, "tokenweave: partial rows end at byte ",
-              src_off + bytes, " of the data region, past the mirrored ", c.mirror_bytes);
+  TW_CHECK(src_off + bytes <= c.mirror_bytes, "tokenweave: partial rows end at byte ",
+           src_off + bytes, " of the data region, past the mirrored ", c.mirror_bytes);
   auto copy = [&](int64_t dst, int64_t src) {
     const cudaError_t err =
         cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
                         static_cast<size_t>(bytes), cudaMemcpyDefault, stream);
-    TORCH_CHECK(err == cudaSuccess, "tokenweave: cudaMemcpyAsync failed: ",
-                cudaGetErrorString(err));
+    TW_CHECK(err == cudaSuccess, "tokenweave: cudaMemcpyAsync failed: ",
+             cudaGetErrorString(err));
   };
   // Barriers after which nothing else of this call writes outputs poison them on failure.
   auto barrier = [&](int which, bool poison) {
@@ -450,23 +451,23 @@ void launch_copy_engine(const Communicator& c, const FusedParams& p, int64_t cta
 int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_t local_base,
                     int64_t buffer_bytes, int64_t timeout_ns, int64_t flags,
                     int64_t multicast_base) {
-  TORCH_CHECK(world >= 2 && world <= kMaxRanks, "tokenweave: world size ", world,
-              " out of range 2..", kMaxRanks);
-  TORCH_CHECK(rank >= 0 && rank < world, "tokenweave: bad rank ", rank);
-  TORCH_CHECK(bases.is_cuda() && bases.scalar_type() == at::kLong && bases.numel() == 2 * world &&
-                  bases.is_contiguous(),
-              "tokenweave: bases must be a contiguous CUDA int64 tensor of 2 * world entries");
-  TORCH_CHECK(buffer_bytes > 0 && timeout_ns > 0, "tokenweave: buffer_bytes and timeout_ns must "
-              "be positive");
+  TW_CHECK(world >= 2 && world <= kMaxRanks, "tokenweave: world size ", world,
+           " out of range 2..", kMaxRanks);
+  TW_CHECK(rank >= 0 && rank < world, "tokenweave: bad rank ", rank);
+  TW_CHECK(bases.is_cuda() && bases.scalar_type() == at::kLong && bases.numel() == 2 * world &&
+               bases.is_contiguous(),
+           "tokenweave: bases must be a contiguous CUDA int64 tensor of 2 * world entries");
+  TW_CHECK(buffer_bytes > 0 && timeout_ns > 0, "tokenweave: buffer_bytes and timeout_ns must "
+           "be positive");
   int major = 0, minor = 0;
   const int device = bases.get_device();
-  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                      cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
-                      cudaSuccess,
-              "tokenweave: cudaDeviceGetAttribute failed");
-  TORCH_CHECK(multicast_base == 0 || major >= 9,
-              "tokenweave: the multimem path needs sm_90 or newer (this GPU is sm_", major, "x)");
+  TW_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                   cudaSuccess &&
+               cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+                   cudaSuccess,
+           "tokenweave: cudaDeviceGetAttribute failed");
+  TW_CHECK(multicast_base == 0 || major >= 9,
+           "tokenweave: the multimem path needs sm_90 or newer (this GPU is sm_", major, "x)");
   auto* c = new Communicator();
   c->bases = bases;
   c->rank = rank;
@@ -491,25 +492,25 @@ int64_t comm_create(const at::Tensor& bases, int64_t rank, int64_t world, int64_
 void comm_attach_mirror(int64_t handle, const at::Tensor& sources, const at::Tensor& mirror,
                         at::IntArrayRef peer_data, at::IntArrayRef mirrors, int64_t mirror_bytes) {
   Communicator& c = comm_of(handle);
-  TORCH_CHECK(sources.is_cuda() && sources.scalar_type() == at::kLong &&
-                  sources.numel() == 2 * c.world && sources.get_device() == c.device,
-              "tokenweave: sources must be a CUDA int64 tensor of 2 * world entries on the "
-              "communicator's device");
-  TORCH_CHECK(mirror.is_cuda() && mirror.get_device() == c.device,
-              "tokenweave: the mirror must be on the communicator's device");
-  TORCH_CHECK(static_cast<int64_t>(peer_data.size()) == c.world &&
-                  static_cast<int64_t>(mirrors.size()) == c.world,
-              "tokenweave: peer_data and mirrors need one entry per rank");
-  TORCH_CHECK(peer_data[c.rank] == c.local_base, "tokenweave: peer_data[rank] is not local_base");
-  TORCH_CHECK(mirror_bytes > 0 && mirror_bytes <= c.buffer_bytes,
-              "tokenweave: mirror_bytes must be in (0, buffer_bytes]");
+  TW_CHECK(sources.is_cuda() && sources.scalar_type() == at::kLong &&
+               sources.numel() == 2 * c.world && sources.get_device() == c.device,
+           "tokenweave: sources must be a CUDA int64 tensor of 2 * world entries on the "
+           "communicator's device");
+  TW_CHECK(mirror.is_cuda() && mirror.get_device() == c.device,
+           "tokenweave: the mirror must be on the communicator's device");
+  TW_CHECK(static_cast<int64_t>(peer_data.size()) == c.world &&
+               static_cast<int64_t>(mirrors.size()) == c.world,
+           "tokenweave: peer_data and mirrors need one entry per rank");
+  TW_CHECK(peer_data[c.rank] == c.local_base, "tokenweave: peer_data[rank] is not local_base");
+  TW_CHECK(mirror_bytes > 0 && mirror_bytes <= c.buffer_bytes,
+           "tokenweave: mirror_bytes must be in (0, buffer_bytes]");
   const int64_t mirror_base = reinterpret_cast<int64_t>(mirror.data_ptr());
   const int64_t mirror_end = mirror_base + mirror.numel() * mirror.element_size();
   for (int64_t q = 0; q < c.world; ++q)
-    TORCH_CHECK(q == c.rank || (mirrors[q] >= mirror_base && mirrors[q] % kVecBytes == 0 &&
-                                mirrors[q] + mirror_bytes <= mirror_end),
-                "tokenweave: the mirror of rank ", q,
-                " is not a 16-byte aligned region inside the mirror tensor");
+    TW_CHECK(q == c.rank || (mirrors[q] >= mirror_base && mirrors[q] % kVecBytes == 0 &&
+                             mirrors[q] + mirror_bytes <= mirror_end),
+             "tokenweave: the mirror of rank ", q,
+             " is not a 16-byte aligned region inside the mirror tensor");
   c.sources = sources;
   c.mirror = mirror;
   c.peer_data.assign(peer_data.begin(), peer_data.end());
@@ -520,20 +521,20 @@ void comm_attach_mirror(int64_t handle, const at::Tensor& sources, const at::Ten
 // The GEMM-fused path's inbox (a second peer-mapped buffer, laid out by Python: see the
 // Communicator's fields). The GEMMs of every rank store into it; the consumer reads it.
 void comm_attach_inbox(int64_t handle, int64_t data, int64_t slot_rows, int64_t row_bytes,
-                       int64_t flags, int64_t flag_blocks, int64_t flag_tiles, int64_t control,
-                       at::IntArrayRef regions) {
+                    int64_t flags, int64_t flag_blocks, int64_t flag_tiles, int64_t control,
+                    at::IntArrayRef regions) {
   Communicator& c = comm_of(handle);
-  TORCH_CHECK(static_cast<int64_t>(regions.size()) == c.world && regions[c.rank] == flags,
-              "tokenweave: the inbox needs every rank's region (", c.world, "), its own at its "
-              "flags");
+  TW_CHECK(static_cast<int64_t>(regions.size()) == c.world && regions[c.rank] == flags,
+           "tokenweave: the inbox needs every rank's region (", c.world, "), its own at its "
+           "flags");
   for (const int64_t r : regions)
-    TORCH_CHECK(r != 0 && r % 4 == 0, "tokenweave: inbox regions must be non-null and aligned");
-  TORCH_CHECK(data != 0 && flags != 0 && control != 0 && data % kVecBytes == 0 &&
-                  flags % 4 == 0 && control % 4 == 0,
-              "tokenweave: inbox addresses must be non-null and aligned");
-  TORCH_CHECK(slot_rows >= 1 && row_bytes >= kVecBytes && row_bytes % kVecBytes == 0 &&
-                  flag_blocks >= 1 && flag_tiles >= 1,
-              "tokenweave: inbox sizes must be positive (rows whole 16-byte vectors)");
+    TW_CHECK(r != 0 && r % 4 == 0, "tokenweave: inbox regions must be non-null and aligned");
+  TW_CHECK(data != 0 && flags != 0 && control != 0 && data % kVecBytes == 0 &&
+               flags % 4 == 0 && control % 4 == 0,
+           "tokenweave: inbox addresses must be non-null and aligned");
+  TW_CHECK(slot_rows >= 1 && row_bytes >= kVecBytes && row_bytes % kVecBytes == 0 &&
+               flag_blocks >= 1 && flag_tiles >= 1,
+           "tokenweave: inbox sizes must be positive (rows whole 16-byte vectors)");
   c.inbox_data = data;
   c.slot_rows = slot_rows;
   c.row_bytes = row_bytes;
@@ -557,31 +558,31 @@ void comm_destroy(int64_t handle) {
 // raises.
 void comm_copy_errors(int64_t handle, at::Tensor& host) {
   const Communicator& c = comm_of(handle);
-  TORCH_CHECK(host.device().is_cpu() && host.is_pinned() && host.scalar_type() == at::kInt &&
-                  host.numel() == kErrorWords && host.is_contiguous(),
-              "tokenweave: the error words' destination must be a pinned int32 tensor of ",
-              kErrorWords);
+  TW_CHECK(host.device().is_cpu() && host.is_pinned() && host.scalar_type() == at::kInt &&
+               host.numel() == kErrorWords && host.is_contiguous(),
+           "tokenweave: the error words' destination must be a pinned int32 tensor of ",
+           kErrorWords);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device).stream();
   const void* pad = reinterpret_cast<const void*>(c.local_base - kHeaderBytes);
   const cudaError_t err = cudaMemcpyAsync(host.data_ptr(), pad, kErrorWords * sizeof(uint32_t),
-                                          cudaMemcpyDeviceToHost, stream);
-  TORCH_CHECK(err == cudaSuccess, "tokenweave: copying the error words failed: ",
-              cudaGetErrorString(err));
+                                       cudaMemcpyDeviceToHost, stream);
+  TW_CHECK(err == cudaSuccess, "tokenweave: copying the error words failed: ",
+           cudaGetErrorString(err));
 }
 
 // y = sum over the group of partial + residual -> residual_out; RMSNorm(y) * weight -> normed_out.
 // `path`: Path; `tag`: the call's tag.
 void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
-                             const std::optional<at::Tensor>& weight, double eps,
-                             at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                             int64_t ctas, int64_t path, int64_t tag, at::TensorList normed_scales,
-                             at::ArrayRef<double> scaling) {
+                          const std::optional<at::Tensor>& weight, double eps,
+                          at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+                          int64_t ctas, int64_t path, int64_t tag, at::TensorList normed_scales,
+                          at::ArrayRef<double> scaling) {
   const Communicator& c = comm_of(handle);
-  TORCH_CHECK(path >= kPathSm && path <= kPathCopyEngineReduce, "tokenweave: path must be 0 "
-              "(SM), 1 (copy engine), 2 (its transfer) or 3 (its reduction), got ", path);
+  TW_CHECK(path >= kPathSm && path <= kPathCopyEngineReduce, "tokenweave: path must be 0 "
+           "(SM), 1 (copy engine), 2 (its transfer) or 3 (its reduction), got ", path);
   const FusedParams p = make_params(c, partial, residual, weight, eps, residual_out, normed_out,
-                                    ctas, tag, normed_scales, scaling);
+                                 ctas, tag, normed_scales, scaling);
   on_stream(partial, p, [&](auto t, cudaStream_t stream) {
     using T = decltype(t);
     if (path == kPathSm)
@@ -596,9 +597,9 @@ void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tens
 // replicated: y to every rank's `partial` rows, then each rank normalizes all rows locally).
 // `segments`: the call's SegmentGeometry as a list; `tag`: the call's tag (its GEMM's too).
 void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
-                         const std::optional<at::Tensor>& weight, double eps,
-                         at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                         int64_t ctas, at::IntArrayRef segments, int64_t tag) {
+                      const std::optional<at::Tensor>& weight, double eps,
+                      at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
+                      int64_t ctas, at::IntArrayRef segments, int64_t tag) {
   const Communicator& c = comm_of(handle);
   const FusedParams p =
       make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas, tag);
@@ -613,70 +614,70 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
 // slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start].
 void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-              at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
-                  weight.is_contiguous() && weight.device() == x.device(),
-              "tokenweave: fit_gemm takes contiguous 2-D x and weight on one CUDA device");
+           at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas) {
+  TW_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
+               weight.is_contiguous() && weight.device() == x.device(),
+           "tokenweave: fit_gemm takes contiguous 2-D x and weight on one CUDA device");
   const auto dt = x.scalar_type();
-  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && weight.scalar_type() == dt,
-              "tokenweave: fit_gemm: x and weight must both be bf16 or both fp16");
+  TW_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && weight.scalar_type() == dt,
+           "tokenweave: fit_gemm: x and weight must both be bf16 or both fp16");
   const int64_t k = x.size(1), n_out = weight.size(0);
-  TORCH_CHECK(weight.size(1) == k, "tokenweave: fit_gemm: x has ", k, " in-features, weight ",
-              weight.size(1));
-  TORCH_CHECK(k % kVecElems == 0 && n_out % kVecElems == 0 && k > 0 && n_out > 0,
-              "tokenweave: fit_gemm: in- and out-features must be positive multiples of 8 "
-              "(16-byte rows), got ", k, " and ", n_out);
+  TW_CHECK(weight.size(1) == k, "tokenweave: fit_gemm: x has ", k, " in-features, weight ",
+           weight.size(1));
+  TW_CHECK(k % kVecElems == 0 && n_out % kVecElems == 0 && k > 0 && n_out > 0,
+           "tokenweave: fit_gemm: in- and out-features must be positive multiples of 8 "
+           "(16-byte rows), got ", k, " and ", n_out);
   check_aligned(x, "x");
   check_aligned(weight, "weight");
   if (bias) {
-    TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == dt &&
-                    bias->is_contiguous() && bias->numel() == n_out,
-                "tokenweave: fit_gemm: bias must be a contiguous [out-features] tensor of x's "
-                "dtype on its device");
+    TW_CHECK(bias->device() == x.device() && bias->scalar_type() == dt &&
+                 bias->is_contiguous() && bias->numel() == n_out,
+             "tokenweave: fit_gemm: bias must be a contiguous [out-features] tensor of x's "
+             "dtype on its device");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   int major = 0, minor = 0;
   const int device = x.get_device();
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  TORCH_CHECK(major == 9 && minor == 0, "tokenweave: fit_gemm needs an sm_90 GPU (wgmma, TMA), "
-              "this one is sm_", major, minor);
-  TORCH_CHECK(geometry.size() == 12, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
-              "slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, "
-              "cooperative, start], got ", geometry.size(), " entries");
+  TW_CHECK(major == 9 && minor == 0, "tokenweave: fit_gemm needs an sm_90 GPU (wgmma, TMA), "
+           "this one is sm_", major, minor);
+  TW_CHECK(geometry.size() == 12, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
+           "slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, "
+           "cooperative, start], got ", geometry.size(), " entries");
   const int64_t world = static_cast<int64_t>(regions.size());
-  TORCH_CHECK(world >= 1 && world <= kMaxRanks, "tokenweave: fit_gemm takes 1..", kMaxRanks,
-              " inbox regions, got ", world);
+  TW_CHECK(world >= 1 && world <= kMaxRanks, "tokenweave: fit_gemm takes 1..", kMaxRanks,
+           " inbox regions, got ", world);
   const int64_t slots_off = geometry[0], rank = geometry[1], slot_rows = geometry[2];
   const int64_t row0 = geometry[3], first = geometry[4], step = geometry[5];
   const int64_t groups = geometry[6], group_rows = geometry[7], seg_rows = geometry[8];
   const int64_t bn = geometry[9], coop = geometry[10], start = geometry[11];
-  TORCH_CHECK(rank >= 0 && rank < world && slots_off >= 0 && slot_rows > 0,
-              "tokenweave: fit_gemm: rank ", rank, " of ", world, ", slots at ", slots_off,
-              " of ", slot_rows, " rows");
-  TORCH_CHECK(groups == 1 || groups == world, "tokenweave: fit_gemm: groups must be 1 "
-              "(replicated) or the world (sequence parallel), got ", groups);
-  TORCH_CHECK(group_rows >= 1 && seg_rows >= 1 && (groups == 1 ? seg_rows * world >= group_rows
-                                                                 : seg_rows == group_rows),
-              "tokenweave: fit_gemm: ", group_rows, " rows do not split into ", world,
-              " segments of ", seg_rows);
-  TORCH_CHECK(first >= 0 && step >= 0 && first + (groups - 1) * step + group_rows <= x.size(0),
-              "tokenweave: fit_gemm: rows [", first, ", +", group_rows, ") of ", groups,
-              " groups ", step, " apart exceed x's ", x.size(0), " rows");
-  TORCH_CHECK(row0 >= 0 && row0 + seg_rows <= slot_rows, "tokenweave: fit_gemm: inbox rows [",
-              row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
-  TORCH_CHECK(bn >= fit::kMinBN && bn <= fit::kMaxBN && bn % 8 == 0,
-              "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
-              fit::kMaxBN, ", got ", bn);
-  TORCH_CHECK(coop == 0 || coop == 1, "tokenweave: fit_gemm: cooperative must be 0 or 1");
-  TORCH_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
-  TORCH_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *
-                  n_out < (int64_t{1} << 40), "tokenweave: fit_gemm: too many rows");
+  TW_CHECK(rank >= 0 && rank < world && slots_off >= 0 && slot_rows > 0,
+           "tokenweave: fit_gemm: rank ", rank, " of ", world, ", slots at ", slots_off,
+           " of ", slot_rows, " rows");
+  TW_CHECK(groups == 1 || groups == world, "tokenweave: fit_gemm: groups must be 1 "
+           "(replicated) or the world (sequence parallel), got ", groups);
+  TW_CHECK(group_rows >= 1 && seg_rows >= 1 && (groups == 1 ? seg_rows * world >= group_rows
+                                                              : seg_rows == group_rows),
+           "tokenweave: fit_gemm: ", group_rows, " rows do not split into ", world,
+           " segments of ", seg_rows);
+  TW_CHECK(first >= 0 && step >= 0 && first + (groups - 1) * step + group_rows <= x.size(0),
+           "tokenweave: fit_gemm: rows [", first, ", +", group_rows, ") of ", groups,
+           " groups ", step, " apart exceed x's ", x.size(0), " rows");
+  TW_CHECK(row0 >= 0 && row0 + seg_rows <= slot_rows, "tokenweave: fit_gemm: inbox rows [",
+           row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
+  TW_CHECK(bn >= fit::kMinBN && bn <= fit::kMaxBN && bn % 8 == 0,
+           "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
+           fit::kMaxBN, ", got ", bn);
+  TW_CHECK(coop == 0 || coop == 1, "tokenweave: fit_gemm: cooperative must be 0 or 1");
+  TW_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
+  TW_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *
+               n_out < (int64_t{1} << 40), "tokenweave: fit_gemm: too many rows");
   fit::FitGemmParams p{};
   for (int64_t q = 0; q < kMaxRanks; ++q) p.regions[q] = regions[q < world ? q : 0];
   for (int64_t q = 0; q < world; ++q)
-    TORCH_CHECK(regions[q] != 0 && (regions[q] + slots_off) % kVecBytes == 0,
-                "tokenweave: fit_gemm: inbox region ", q, " is null or not 16-byte aligned");
+    TW_CHECK(regions[q] != 0 && (regions[q] + slots_off) % kVecBytes == 0,
+             "tokenweave: fit_gemm: inbox region ", q, " is null or not 16-byte aligned");
   p.slots_off = slots_off;
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.n_out = static_cast<int>(n_out);
@@ -707,12 +708,12 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
                                                        weight.data_ptr(), p, b, g, stream)
                    : fit::launch<__half, false>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b,
                                                 g, stream));
-  TORCH_CHECK(status != fit::LaunchStatus::kNoDriverEntry,
-              "tokenweave: fit_gemm: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver)");
-  TORCH_CHECK(status != fit::LaunchStatus::kTensorMap,
-              "tokenweave: fit_gemm: the driver refused the operands' tensor maps");
-  TORCH_CHECK(status == fit::LaunchStatus::kOk, "tokenweave: fit_gemm launch failed: ",
-              cudaGetErrorString(cudaGetLastError()));
+  TW_CHECK(status != fit::LaunchStatus::kNoDriverEntry,
+           "tokenweave: fit_gemm: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver)");
+  TW_CHECK(status != fit::LaunchStatus::kTensorMap,
+           "tokenweave: fit_gemm: the driver refused the operands' tensor maps");
+  TW_CHECK(status == fit::LaunchStatus::kOk, "tokenweave: fit_gemm launch failed: ",
+           cudaGetErrorString(cudaGetLastError()));
 }
 
 }  // namespace tokenweave

@@ -1,0 +1,75 @@
+"""The extension's own argument checks (csrc/include/tokenweave/check.h) raise RuntimeError with
+their message, numbers in it included, when an op is called directly with bad arguments (the
+layer, the communicator and the launchers check in Python first, so only a direct call reaches
+them). Each case runs in a process of its own: on the GPU image of 2026-12-04 a TORCH_CHECK
+message that streamed an integer ended the process with a segmentation fault instead of
+raising, which would take the test process down with it. Skips cleanly without a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_PRELUDE = """
+import torch
+from megatron_tokenweave.kernels import load_extension
+load_extension()
+dev = torch.device("cuda", 0)
+bf16 = torch.bfloat16
+inbox = torch.empty(1 << 22, dtype=bf16, device=dev)
+regions = [inbox.data_ptr(), inbox.data_ptr()]
+geometry = [0, 0, 512, 0, 0, 0, 1, 256, 128, 64, 0, 0]
+x = torch.randn(256, 4096, device=dev, dtype=bf16)
+w = torch.randn(1024, 4096, device=dev, dtype=bf16)
+"""
+
+# (case, the call, a part of the message it must raise)
+CASES = [
+    ("ipc_malloc of 0 bytes", "torch.ops.tokenweave.ipc_malloc(0, 0)",
+     "ipc_malloc needs nbytes > 0, got 0"),
+    ("fit_gemm in-features 100",
+     "k = torch.randn(256, 100, device=dev, dtype=bf16)\n"
+     "torch.ops.tokenweave.fit_gemm(k, torch.randn(1024, 100, device=dev, dtype=bf16), None, "
+     "regions, geometry, 8)",
+     "multiples of 8 (16-byte rows), got 100 and 1024"),
+    ("fit_gemm block rows 180",
+     "geometry[9] = 180\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8)",
+     "in 16..176, got 180"),
+    ("fit_gemm 11 geometry entries",
+     "torch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry[:11], 8)",
+     "got 11 entries"),
+    ("fit_gemm rows past the segments",
+     "geometry[7] = 300\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8)",
+     "300 rows do not split into 2 segments of 128"),
+    ("fit_gemm float32",
+     "torch.ops.tokenweave.fit_gemm(x.float(), w.float(), None, regions, geometry, 8)",
+     "must both be bf16 or both fp16"),
+]
+
+
+@pytest.mark.parametrize("case, call, message", CASES, ids=[c[0].replace(" ", "-") for c in CASES])
+def test_op_check_raises_its_message(case, call, message):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from megatron_tokenweave import kernels
+
+    try:
+        kernels.load_extension()
+    except kernels.KernelUnavailableError as exc:
+        pytest.skip(f"kernel extension unavailable: {exc}")
+    if case.startswith("fit_gemm"):
+        from megatron_tokenweave.kernels._ext import fitted_gemm_available
+
+        if not fitted_gemm_available(torch.device("cuda", 0)):
+            pytest.skip("fit_gemm needs an sm_90 GPU")
+    script = (_PRELUDE + "try:\n" + "".join(f"    {line}\n" for line in call.split("\n"))
+              + "except RuntimeError as exc:\n    print('RAISED', str(exc).splitlines()[0])\n"
+              + "else:\n    print('NO ERROR')\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, (f"{case}: the process ended with {run.returncode}: "
+                                 f"{run.stderr[-2000:]}")
+    assert "RAISED" in run.stdout and message in run.stdout, f"{case}: {run.stdout!r}"
