@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _kernels import kernels_or_skip  # tests/ is on sys.path (conftest.py)
 
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
@@ -32,18 +33,6 @@ SETTINGS = {"default": {}, "pullall": {"oneshot": False, "twoshot": False},
             "registers": {"bulk": False, "oneshot": False, "twoshot": False}}
 PATHS = ("default", "pullall", "registers", "copy_engine", "phased")
 SCALINGS = ("blocks_pow2", "blocks", "tensor")
-
-
-def _kernels_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    from megatron_tokenweave import kernels
-
-    try:
-        kernels.load_extension()
-    except kernels.KernelUnavailableError as exc:
-        pytest.skip(f"kernel extension unavailable: {exc}")
-    return kernels
 
 
 def _gen(seed: int, shape, dtype, dev) -> torch.Tensor:
@@ -240,5 +229,5 @@ def _graph_replay(comm, buf, dev, layout) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_fp8_rows_bit_exact_ranks_sharing_one_gpu(world):
     """TP 2 and 4 as processes sharing GPU 0 (functional, never a performance figure)."""
-    _kernels_or_skip()
+    kernels_or_skip()
     mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)

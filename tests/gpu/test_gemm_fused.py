@@ -43,7 +43,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _rounding import ulp, within  # tests/ is on sys.path (conftest.py)
+from _kernels import kernels_or_skip  # tests/ is on sys.path (conftest.py)
+from _rounding import ulp, within
 
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 
@@ -57,14 +58,7 @@ MAX_TOKENS = 8 * 1031 + 64
 
 
 def _skip_without_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    from megatron_tokenweave import kernels
-
-    try:
-        kernels.load_extension()
-    except kernels.KernelUnavailableError as exc:
-        pytest.skip(f"kernel extension unavailable: {exc}")
+    kernels_or_skip()
     try:
         import triton  # noqa: F401
     except ImportError:

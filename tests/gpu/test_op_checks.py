@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from _kernels import kernels_or_skip  # tests/ is on sys.path (conftest.py)
 
 _PRELUDE = """
 import torch
@@ -52,14 +53,7 @@ CASES = [
 
 @pytest.mark.parametrize("case, call, message", CASES, ids=[c[0].replace(" ", "-") for c in CASES])
 def test_op_check_raises_its_message(case, call, message):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    from megatron_tokenweave import kernels
-
-    try:
-        kernels.load_extension()
-    except kernels.KernelUnavailableError as exc:
-        pytest.skip(f"kernel extension unavailable: {exc}")
+    kernels_or_skip()
     if case.startswith("fit_gemm"):
         from megatron_tokenweave.kernels._ext import fitted_gemm_available
 
