@@ -162,7 +162,20 @@ def test_fp8_rows_plot_draws_from_a_result(tmp_path, te):
      "--tokens must be multiples of 32"),
     (["block", "--fp8-recipe", "delayed", "--local"], "not with --local"),
     (["e2e", "--fp8-recipe", "blockwise", "--local"], "not with --local"),
+    (["kernel", "--fp8-recipe", "blockwise"], "needs TransformerEngine"),
+    (["kernel", "--fp8-recipe", "mxfp8"], "invalid choice"),
 ])
 def test_fp8_benchmark_arguments_are_checked_before_anything_runs(argv, words):
+    """Bad FP8 arguments end the command with the reason (this CPU machine has no TE)."""
     done = _run("megatron_tokenweave.bench", *argv)
     assert done.returncode != 0 and words in done.stderr, done.stderr
+
+
+def test_fused_fp8_scalings_cover_the_woven_recipes():
+    """The fused op writes the next linear's rows for every woven recipe but current scaling
+    (tensorwise), whose scale needs the whole call's amax: the FP8 benchmarks' rows follow."""
+    from megatron_tokenweave.bench.fp8_rows import RECIPE_SCALING, SCALINGS
+    from megatron_tokenweave.precision import WOVEN_FP8_RECIPES
+
+    assert set(RECIPE_SCALING) | {"tensorwise"} == set(WOVEN_FP8_RECIPES)
+    assert set(RECIPE_SCALING.values()) == set(SCALINGS)

@@ -34,23 +34,36 @@ EPS = 1e-5
 SCALINGS = ("blocks", "tensor")
 
 
-def _te_quantizer(scaling: str, dev: torch.device):
-    """TE's quantizer of this scaling, or None where TransformerEngine does not import."""
+# What the fused op writes for the next linear per woven TE recipe (e4m3): delayed scaling's one
+# known scale, blockwise's 1 x 128 blocks. Tensorwise (current scaling) is absent: its scale is
+# the amax of the whole call, which a one-pass op cannot know before its first row.
+RECIPE_SCALING = {"delayed": "tensor", "blockwise": "blocks"}
+
+
+def te_quantizer(scaling: str, dev: torch.device):
+    """TE's rowwise e4m3 quantizer of a scaling ("blocks", "tensor": a known scale of 2, or
+    "current": tensorwise current scaling), or None where TransformerEngine does not import."""
     try:
         from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer  # noqa: I001
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+        from transformer_engine.pytorch.tensor.float8_tensor import (
+            Float8CurrentScalingQuantizer,
+            Float8Quantizer,
+        )
 
         import transformer_engine_torch as tex  # after TE's package, which loads its library
     except Exception:  # noqa: BLE001 - any TE import failure: no TE rows
         return None
+    e4m3 = tex.DType.kFloat8E4M3
     if scaling == "blocks":
-        return Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False,
-                                    block_scaling_dim=1)
-    return Float8Quantizer(torch.tensor([2.0], device=dev), torch.zeros(1, device=dev),
-                           tex.DType.kFloat8E4M3, rowwise=True, columnwise=False)
+        return Float8BlockQuantizer(e4m3, rowwise=True, columnwise=False, block_scaling_dim=1)
+    if scaling == "current":
+        return Float8CurrentScalingQuantizer(e4m3, device=dev, rowwise=True, columnwise=False)
+    return Float8Quantizer(torch.tensor([2.0], device=dev), torch.zeros(1, device=dev), e4m3,
+                           rowwise=True, columnwise=False)
 
 
-def _fp8_rows(scaling: str, tokens: int, hidden: int, dev: torch.device) -> Fp8Rows:
+def fp8_rows_for(scaling: str, tokens: int, hidden: int, dev: torch.device) -> Fp8Rows:
+    """Where the op writes `tokens` FP8 rows of this scaling ("blocks" or "tensor": scale 2)."""
     data = torch.empty(1, tokens, hidden, dtype=FP8_DTYPE, device=dev)
     if scaling == "blocks":
         return Fp8Rows.blockwise(data, torch.empty(hidden // 128, scale_stride(tokens),
@@ -91,8 +104,8 @@ def _measure(world: int, tokens: int, hidden: int, ctas: int, iters: int) -> lis
     normeds = [torch.empty(1, tokens, hidden, device=dev, dtype=dtype) for _ in range(world)]
     comms = [KernelComm(r) for r in ranks.ranks]
     streams = [torch.cuda.Stream() for _ in range(world)]
-    fp8 = {s: [_fp8_rows(s, tokens, hidden, dev) for _ in range(world)] for s in SCALINGS}
-    quantizers = {s: _te_quantizer(s, dev) for s in SCALINGS}
+    fp8 = {s: [fp8_rows_for(s, tokens, hidden, dev) for _ in range(world)] for s in SCALINGS}
+    quantizers = {s: te_quantizer(s, dev) for s in SCALINGS}
 
     # The two-shot path (TP >= 4) writes y back into the partial: every op then restores its
     # rank's partial first, and the copies alone are timed too and taken off.

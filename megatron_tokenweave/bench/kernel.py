@@ -17,6 +17,12 @@ tokenweave_graph (--graph-ctas, CUDA-graph replay of 10 calls / 10: device time 
 overhead), tokenweave_localstores (--graph-ctas, diagnostics only: a communicator that skips
 the remote stores of normed rows), flashinfer.
 Overlap rows: see MECHANISMS (also written to the JSON).
+With `--fp8-recipe R` (TE needed) also the replicated layout's FP8 form for a next linear in TE's
+recipe R (e4m3): nccl+norm+quantize (NCCL, norm, TE's quantizer) against
+tokenweave_replicated_fp8 (the op writing the FP8 rows itself: delayed and blockwise, as the
+woven layer does) or, for tensorwise (current scaling, which the op cannot write: the scale
+needs the whole call's amax), tokenweave_replicated+quantize (the op, then TE's quantizer). Every
+row says its `precision` ("bf16", or the recipe's, precision.bench_precision).
     (or python -m megatron_tokenweave.bench.kernel ...)
 
 Spawns 2 processes (NCCL, one GPU each). CUDA events, median of >= 25 timings after a warm-up,
@@ -41,8 +47,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megatron_tokenweave.bench import command_parser
+from megatron_tokenweave.bench.fp8_rows import RECIPE_SCALING, fp8_rows_for, te_quantizer
 from megatron_tokenweave.bench.timing import capture_graph
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
+from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision
 
 NVLINK_BOUND_GBPS = 381.0
 EPS = 1e-5
@@ -160,9 +168,33 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             # Set up here only; its close() is collective, so it is dropped unclosed.
             flashinfer, flashinfer_note = None, "set up on this rank only (another failed)"
 
-    def add_row(impl, T, ctas, us):
+    def add_row(impl, T, ctas, us, precision="bf16"):
         rows.append(dict(impl=impl, tokens=T, hidden=H, dtype="bf16", tp=world, ctas=ctas,
-                         us=round(us, 2)))
+                         us=round(us, 2), precision=precision))
+
+    def fp8_rows(T, xs, k, r, rparts, kr, outs):
+        """The replicated layout's FP8 form for the next linear in the recipe (module doc)."""
+        precision = bench_precision(args.fp8_recipe)
+        scaling = RECIPE_SCALING.get(args.fp8_recipe)
+        quantizer = te_quantizer(scaling or "current", dev)
+
+        def nccl_norm_quantize(i):
+            x = xs[i % k]
+            dist.all_reduce(x, group=group)
+            quantizer(F.rms_norm(x + r, (H,), w, EPS))
+
+        add_row("nccl+norm+quantize", T, 0, _time(nccl_norm_quantize, args.iters), precision)
+        written = fp8_rows_for(scaling, T, H, dev) if scaling else None
+        for ctas in args.replicated_ctas:
+            def rep(i, ctas=ctas):
+                normed = written if written is not None else outs[1].view(1, T, H)
+                comms["default"].run(rparts[i % kr], r, w, EPS, outs[0], normed,
+                                     Layout.REPLICATED, ctas=ctas, validate=False)
+                if written is None:
+                    quantizer(outs[1])
+
+            impl = "tokenweave_replicated_fp8" if scaling else "tokenweave_replicated+quantize"
+            add_row(impl, T, ctas, _time(rep, args.iters), precision)
 
     def one_tokens(T):
         nonlocal symm_reason
@@ -220,6 +252,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 add_row("tokenweave_replicated_barrier", T, ctas, _time(barrier, args.iters))
                 add_row("tokenweave_replicated_barrier_graph", T, ctas,
                         _time_graph(barrier, args.iters))
+
+        if args.fp8_recipe != "none":
+            fp8_rows(T, xs, k, r, rparts, kr, outs)
 
         # tokenweave, sequence-parallel layout: partial [2, T/2, H] and normed [2, T/2, H]
         n = T // world
@@ -399,12 +434,17 @@ def parser() -> argparse.ArgumentParser:
                     help="--out value to record in the JSON's command (default: --out)")
     ap.add_argument("--buffer-mb", type=int, default=768,
                     help="symmetric (peer-mapped) buffer per rank, MiB")
+    ap.add_argument("--fp8-recipe", default="none", choices=["none", *WOVEN_FP8_RECIPES],
+                    help="also time the replicated layout's FP8 form for a next linear in this TE "
+                         "recipe (e4m3; needs TransformerEngine): rows with its precision")
     return ap
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     os.environ.update(NO_MULTICAST_ENV)
+    if args.fp8_recipe != "none" and te_quantizer("blocks", torch.device("cpu")) is None:
+        sys.exit("--fp8-recipe needs TransformerEngine (its quantizers)")
     if torch.cuda.device_count() < 2:
         sys.exit("the kernel benchmark needs 2 GPUs")
     from megatron_tokenweave import kernels
