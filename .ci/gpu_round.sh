@@ -24,6 +24,8 @@
 #   e2e    dynamic engine / OpenAI server tests (flash-attn-4), then the e2e benchmark
 #          (throughput through the dynamic engine if those passed, else the static engine)
 #   kernel the kernel benchmark (FlashInfer where staged: .ci/stage_flashinfer.sh --aot)
+#   kernel_fp8  the kernel benchmark's FP8 rows per Hopper recipe (`stage.sh te` carried): the
+#          replicated op's FP8 form against NCCL + norm + TE's quantizer, 16 and 64 CTAs
 #   verify kernel tests across two GPUs (every data path; `one_gpu` has the ranks-sharing-one-GPU
 #          cases)
 #   sanitize  compute-sanitizer (memcheck, racecheck) on the current kernels
@@ -75,7 +77,8 @@
 #          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
 #          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
 #          split_cost --fp8-recipe), 70B shards at TP 2 and 8
-#   fp8_rows  the fused op writing the next linear's input in FP8 (`stage.sh te` carried): its
+#   fp8_rows  the extension's own argument checks called directly (tests/gpu/test_op_checks.py),
+#          then the fused op writing the next linear's input in FP8 (`stage.sh te` carried): its
 #          GPU test against the reference and TE's quantizers (TP 2 and 4), bench fp8_rows at
 #          TP 2 and 4 (~2 min together)
 #   fp8_rows_layer  the woven FP8 layer tests that have not run with FP8 rows in use (TP 4
@@ -117,6 +120,7 @@ case "$phase" in
     done
     ;;
   fp8_rows)
+    TAIL=8 step op_checks 120 python -m pytest -v tests/gpu/test_op_checks.py
     TAIL=8 step fp8_rows_op 420 python -m pytest -x -v -s tests/gpu/test_fp8_rows_gpu.py
     TAIL=34 step fp8_rows_bench 300 python -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
       --iters 20 --out "$out/fp8_rows_1gpu.json"
@@ -178,6 +182,14 @@ case "$phase" in
   kernel)
     TAIL=60 step kernel 400 python -m megatron_tokenweave.bench kernel --ctas 8 16 32 64 \
       --out "$out/kernel_tp2.json" --record-out docs/results/kernel_tp2.json
+    ;;
+  kernel_fp8)
+    for recipe in blockwise delayed tensorwise; do
+      TAIL=20 step "kernel_fp8_$recipe" 180 python -m megatron_tokenweave.bench kernel \
+        --fp8-recipe "$recipe" --ctas 16 --replicated-ctas 16 64 --no-flashinfer \
+        --out "$out/kernel_tp2_fp8_$recipe.json" \
+        --record-out "docs/results/kernel_tp2_fp8_$recipe.json"
+    done
     ;;
   verify)
     TAIL=12 step kernel_tests 300 python -m pytest -v -s tests/gpu/test_kernel.py -k two_gpus
