@@ -436,8 +436,10 @@ def _failure_surfaces_under_graphs(group, rank, dev) -> None:
 # copy-engine op whole and as a transfer + a reduction (where phases apply; else whole).
 PATHS_ONE_GPU = (*SETTINGS, "copy_engine", "phased")
 # Token counts (odd ones, fewer rows than ranks, past the one-shot buffer), each with a hidden
-# size: every count and every hidden size of the protocol check.
-CASES_ONE_GPU = ((1, 4096), (3, 5120), (7, 8192), (127, 4096), (1000, 5120), (2049, 8192))
+# size: every count and every hidden size of the protocol check, and Qwen2.5-7B's 3584 (its CTA
+# rounded up to whole warps per team: a warp without columns).
+CASES_ONE_GPU = ((1, 4096), (3, 5120), (7, 8192), (127, 4096), (1000, 5120), (2049, 8192),
+                 (1031, 3584))
 LOOP_CALLS = 10000
 
 
