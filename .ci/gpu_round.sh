@@ -55,6 +55,9 @@
 #   gemm_sweep  the communicating GEMM against cuBLAS / TE (bench gemm_fused's default sweep:
 #          23 counts, every dense family, TP 2/4/8, 10 replays; TE rows where `stage.sh te` was
 #          carried), bf16 (~6 min); gemm_sweep_fp16 the same in fp16
+#   gemm_fp8  the communicating GEMM's FP8 form: its GPU tests (loopback inbox), then bench
+#          gemm_fused's default sweep with e4m3 operands scaled per tensor against cuBLAS's FP8
+#          GEMM (~6 min); gemm_fp8_blocks the same sweep with TE's blockwise scales
 #   gemm_cutlass  the communicating GEMM beside CUTLASS's sm90 kernels and cluster shapes (bench
 #          gemm_fused --cutlass; needs `stage.sh cutlass` carried; builds the reference, minutes)
 #   gemm2  the GEMM-fused mechanism on 2 GPUs: its protocol test across NVLink, then the row GEMM +
@@ -105,6 +108,13 @@ case "$phase" in
   gemm)
     TAIL=6 step gemm_protocol 420 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py
     TAIL=6 step gemm_layer 300 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k one_gpu
+    ;;
+  gemm_fp8|gemm_fp8_blocks)
+    dt=fp8; [ "$phase" = gemm_fp8 ] || dt=fp8_blocks
+    [ "$dt" = fp8_blocks ] || TAIL=8 step gemm_fp8_test 300 python -m pytest -x -v -s \
+      tests/gpu/test_gemm_fused.py -k fp8
+    TAIL=4 step "gemm_sweep_$dt" 560 python -m megatron_tokenweave.bench gemm_fused \
+      --dtypes "$dt" --iters 10 --out "$out/gemm_fused_1gpu_$dt.json"
     ;;
   gemm_sweep|gemm_sweep_fp16)
     dt=bf16; [ "$phase" = gemm_sweep ] || dt=fp16

@@ -34,6 +34,7 @@ from megatron_tokenweave.config import ENV_PREFIX, TokenWeaveConfig
 from megatron_tokenweave.kernels.comm import KernelSettings
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
+from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, Fp8Rows, scale_stride
 from megatron_tokenweave.ops.gemm_emulation import reduce_owned, store_to_owners
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
@@ -41,7 +42,6 @@ from megatron_tokenweave.ops.segments import SETS, Segments, slot_rows
 from megatron_tokenweave.ops.validate import (
     MAX_HIDDEN,
     MAX_RANKS,
-    VECTOR_ELEMS,
     Comm,
     Layout,
     Phase,
@@ -404,44 +404,50 @@ class Communicator:
 
     def row_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  segments: Segments, set_index: int, *, ctas: int, call: int = 0,
-                 validate: bool = True) -> None:
+                 validate: bool = True, fp8: Fp8Operands | None = None) -> None:
         """The communicating row-parallel GEMM of one call: x [rows, K] @ weight^T (+ bias),
         each segment's rows stored into its owner's inbox set `set_index` (the consumer is
         allreduce_rmsnorm(comm="gemm") with the same segments, set and `call`). ctas: the
         persistent CTAs the GEMM may take (the kernel backend's SMs left beside the other
-        half's op)."""
+        half's op). fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the
+        segments made with fp8=True); the rows land in the communicator's dtype."""
         if validate:
-            self._check_gemm(x, weight, bias, segments, set_index)
+            self._check_gemm(x, weight, bias, segments, set_index, fp8)
         if self.backend == "kernel":
             from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
             tag = self.kernel.gemm_tag(call, segments, set_index, weight.shape[0])
             owner_gemm(x, weight, bias, self._inbox, segments, set_index, ctas, tag,
-                       validate=validate)
+                       validate=validate, fp8=fp8)
         else:
-            store_to_owners(x, weight, bias, segments, self._inbox, self.group)
+            store_to_owners(x, weight, bias, segments, self._inbox, self.group, fp8)
 
     def _check_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    seg: Segments, set_index: int) -> None:
+                    seg: Segments, set_index: int, fp8: Fp8Operands | None) -> None:
         if self._inbox is None:
             raise TokenWeaveInputError("the GEMM-fused mechanism needs prepare_gemm() first")
         if set_index not in range(SETS):
             raise TokenWeaveInputError(f"set_index must be 0 or 1, got {set_index!r}")
         if x.dim() != 2 or weight.dim() != 2 or not (x.is_contiguous() and weight.is_contiguous()):
             raise TokenWeaveInputError("row_gemm takes a contiguous x [rows, K] and weight [H, K]")
-        if x.dtype != self.dtype or weight.dtype != self.dtype or (
-                bias is not None and bias.dtype != self.dtype):
+        if fp8 is not None:
+            fp8.check(x, weight)
+        elif x.dtype != self.dtype or weight.dtype != self.dtype:
             raise TokenWeaveInputError(
-                f"row_gemm: x, weight and bias must be {self.dtype} (the communicator's dtype), "
-                f"got {x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+                f"row_gemm: x and weight must be {self.dtype} (the communicator's dtype) or "
+                f"e4m3 with their scales (fp8=), got {x.dtype} and {weight.dtype}")
+        if bias is not None and bias.dtype != self.dtype:
+            raise TokenWeaveInputError(
+                f"row_gemm: the bias must be {self.dtype} (the communicator's dtype), got "
+                f"{bias.dtype}")
         if weight.shape != (self.hidden, x.shape[1]) or (
                 bias is not None and tuple(bias.shape) != (self.hidden,)):
             raise TokenWeaveInputError(
                 f"row_gemm: weight must be [{self.hidden}, {x.shape[1]}] and bias [{self.hidden}], "
                 f"got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
-        if x.shape[1] % VECTOR_ELEMS:
+        if x.shape[1] * x.element_size() % 16:
             raise TokenWeaveInputError(
-                f"row_gemm: K = {x.shape[1]} must be a multiple of {VECTOR_ELEMS} (16-byte rows)")
+                f"row_gemm: K = {x.shape[1]} {x.dtype} elements are not whole 16-byte vectors")
         world = dist.get_world_size(self.group)
         last = seg.input_rows(world)
         if last > x.shape[0]:

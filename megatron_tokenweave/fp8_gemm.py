@@ -32,16 +32,13 @@ delayed scaling, the same amax as the quantizer would have produced from the bf1
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, Fp8Rows, scale_stride
-
-# (x [rows, in] or an input already quantized (written_input), out [rows, out] contiguous,
-# bias [out] or None): out = x @ W^T (+ bias)
-Gemm = Callable[[Any, torch.Tensor, "torch.Tensor | None"], None]
+from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, Fp8Rows, scale_stride
 
 # Rows of every woven FP8 GEMM input (per chunk and half): TE's FP8 GEMMs take multiples of 8;
 # 16 is the granule Megatron's FP8 inference padding (fp8_utils.prepare_model_for_fp8_inference)
@@ -208,11 +205,59 @@ def written_input(quantizer: Any, data: torch.Tensor, scales: torch.Tensor,
     return fp8, storage
 
 
+class Fp8Gemm:
+    """A module's FP8 GEMM inside `gemms`' scope: called on (x [rows, in] or an input already
+    quantized (written_input), out [rows, out] contiguous, bias [out] or None), TE's GEMM
+    computes out = x @ W^T (+ bias); `operands` gives the communicating GEMM (the GEMM-fused
+    mechanism) its FP8 inputs instead."""
+
+    def __init__(self, input_q: Any, weight: Any, split_acc: bool) -> None:
+        self.input_q, self.weight, self.split_acc = input_q, weight, split_acc
+
+    def __call__(self, rows: Any, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if isinstance(rows, torch.Tensor):
+            rows = self.input_q(_granules(rows))
+        general_gemm(self.weight, rows, out_dtype=out.dtype, bias=bias,
+                     use_split_accumulator=self.split_acc, out=out)
+
+    def operands(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
+        """rows [n, in] quantized by the module's input quantizer, and the module's FP8 weight,
+        as the communicating GEMM takes them: e4m3 data and their scale_inv (per tensor, or
+        TE's GEMM-ready blocks)."""
+        x, x_scales = _e4m3(self.input_q(_granules(rows)))
+        w, w_scales = _e4m3(self.weight)
+        return x, w, Fp8Operands(x_scales, w_scales,
+                                 blocks=isinstance(self.weight, Float8BlockwiseQTensorStorage))
+
+
+def _granules(rows: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] % FP8_ROWS:
+        raise ValueError(f"TokenWeave: FP8 GEMMs take multiples of {FP8_ROWS} rows, got "
+                         f"{rows.shape[0]}")
+    return rows
+
+
+def _e4m3(storage: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TE FP8 storage's rowwise e4m3 data and scale_inv (ops/fp8_operands.py's layouts)."""
+    fp8_dtype = getattr(storage, "_fp8_dtype", None)  # tex.DType or TE's Python DType
+    if str(getattr(fp8_dtype, "name", fp8_dtype)).endswith("kFloat8E4M3"):
+        if isinstance(storage, Float8BlockwiseQTensorStorage):
+            form = getattr(storage, "_data_format", None)  # TE versions with a compact form
+            if form is not None and "GEMM_READY" not in str(form):
+                raise RuntimeError(f"TokenWeave: blockwise FP8 data in the {form} form; the "
+                                   "communicating GEMM takes TE's GEMM-ready scales")
+            return storage._rowwise_data.view(FP8_DTYPE), storage._rowwise_scale_inv
+        if isinstance(storage, Float8TensorStorage):
+            return storage._data.view(FP8_DTYPE), storage._scale_inv.view(1)
+    raise RuntimeError(f"TokenWeave: the communicating GEMM takes e4m3 per-tensor or blockwise "
+                       f"FP8 operands, got {type(storage).__name__} ({fp8_dtype})")
+
+
 @contextlib.contextmanager
-def gemms(module: Any, x: torch.Tensor, written_for: Any | None = None) -> Iterator[Gemm]:
-    """Inside the scope, the module's FP8 GEMM on any rows of its input x (`Gemm`), or on an
-    input the fused op wrote already quantized (written_input's storage) for `written_for`, the
-    quantizer it was written for, which must be the module's (fused_quantizer's promise)."""
+def gemms(module: Any, x: torch.Tensor, written_for: Any | None = None) -> Iterator[Fp8Gemm]:
+    """Inside the scope, the module's FP8 GEMM on any rows of its input x (`Fp8Gemm`), or on
+    an input the fused op wrote already quantized (written_input's storage) for `written_for`,
+    the quantizer it was written for, which must be the module's (fused_quantizer's promise)."""
     with _prepared(module, x):
         if not module.fp8:
             raise RuntimeError(f"TokenWeave: {type(module).__name__} is not in FP8 inside an "
@@ -226,15 +271,4 @@ def gemms(module: Any, x: torch.Tensor, written_for: Any | None = None) -> Itera
         weight = _weight(module, weight_q)
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         fprop = getattr(recipe, "fp8_gemm_fprop", None)
-        split_acc = bool(getattr(fprop, "use_split_accumulator", False))
-
-        def gemm(rows: Any, out: torch.Tensor, bias: torch.Tensor | None) -> None:
-            if isinstance(rows, torch.Tensor):
-                if rows.shape[0] % FP8_ROWS:
-                    raise ValueError(f"TokenWeave: FP8 GEMMs take multiples of {FP8_ROWS} "
-                                     f"rows, got {rows.shape[0]}")
-                rows = input_q(rows)
-            general_gemm(weight, rows, out_dtype=out.dtype, bias=bias,
-                         use_split_accumulator=split_acc, out=out)
-
-        yield gemm
+        yield Fp8Gemm(input_q, weight, bool(getattr(fprop, "use_split_accumulator", False)))

@@ -259,11 +259,12 @@ class WovenLayer:
                           self._gemm_precision)
         plan = get_policy(cfg, key).plan(rows)
         fp8 = self._fp8_now()
-        if plan.comm == "gemm" and (is_moe or fp8):
+        if plan.comm == "gemm" and (is_moe or (fp8 and sp)):
             why = ("MoE layers use the fused op, not the GEMM-fused mechanism (the expert layer "
                    "computes its partial sums itself)" if is_moe else
-                   "FP8 GEMMs use the fused op, not the GEMM-fused mechanism (its communicating "
-                   "GEMM is bf16 / fp16)")
+                   "FP8 GEMMs with sequence parallelism use the fused op, not the GEMM-fused "
+                   "mechanism (its FP8 form quantizes a half's rows as one contiguous block: "
+                   "the replicated layout)")
             log_once(f"gemm-fused:{why}", f"TokenWeave: {why}")
             plan = dataclasses.replace(plan, comm="fused")
         halves = plan_halves(rows // chunks, cfg, plan.split,

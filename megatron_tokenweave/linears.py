@@ -95,9 +95,10 @@ class Weave:
     after(i): row-parallel only: called once half i's partial sum is queued.
     add_bias: row-parallel only: whether this rank adds the bias into its partial sum (one rank
         does, so the reduction adds it once).
-    gemm(i, x, half, weight, bias): row-parallel only, the GEMM-fused mechanism: computes half
-        i (rows `half` of every chunk of x [chunks, rows, in]) with the communicating GEMM
-        instead of writing `partials` (bias: the one to add, or None).
+    gemm(i, x, half, weight, bias, fp8): row-parallel only, the GEMM-fused mechanism: computes
+        half i (rows `half` of every chunk of x [chunks, rows, in]) with the communicating GEMM
+        instead of writing `partials` (bias: the one to add, or None; fp8: the module's FP8
+        GEMM (fp8_gemm.Fp8Gemm) whose operands it takes, or None in 16 bits).
     fp8: the call's GEMMs are TE's FP8 ones (the layer decides: fp8_gemm.active() on TE
         linears, the rows whole 16-row granules).
     written: column-parallel only: the input the fused ops wrote in FP8 for this linear (its
@@ -114,7 +115,8 @@ class Weave:
     partials: tuple[torch.Tensor, ...] = ()
     after: Callable[[int], None] | None = None
     add_bias: bool = False
-    gemm: Callable[[int, torch.Tensor, Half, torch.Tensor, torch.Tensor | None], None] | None = None
+    gemm: Callable[[int, torch.Tensor, Half, torch.Tensor, torch.Tensor | None, Any], None] | None \
+        = None
     fp8: bool = False
     written: WrittenInput | None = None
     used: bool = field(default=False, init=False)
@@ -149,13 +151,18 @@ class Weave:
         weight, bias = module.weight, _bias(module)
         bias = bias if self.add_bias else None
         x3 = self._input(module, x)
-        with (contextlib.nullcontext() if self.gemm is not None
-              else _gemms(module, x3, self.fp8)) as gemm:
+        if self.gemm is None:
+            scope = _gemms(module, x3, self.fp8)
+        elif self.fp8:  # the communicating GEMM takes the module's FP8 operands
+            scope = fp8_gemm.gemms(module, x3[0, :1])
+        else:
+            scope = contextlib.nullcontext()
+        with scope as gemm:
             for i, half in enumerate(self.halves):
                 if self.before is not None:
                     self.before(i)
                 if self.gemm is not None:
-                    self.gemm(i, x3, half, weight, bias)
+                    self.gemm(i, x3, half, weight, bias, gemm)
                 else:
                     gemm(half.of(x3), self.partials[i], bias)
                 if self.after is not None:

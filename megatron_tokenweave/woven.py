@@ -138,16 +138,25 @@ class WovenForward:
             ops.ops.append(Pending(self.side.record()))
 
     def row_gemm(self, i: int, x: torch.Tensor, rows: Half, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, fp8: fp8_gemm.Fp8Gemm | None = None) -> None:
         """Half i's communicating GEMM (GEMM-fused mechanism) over rows `rows` of every chunk of
         x [chunks, n, K]: its tiles go to their owners' inbox set i, where half i's rows of the
-        layer sit (the woven halves never share inbox rows)."""
+        layer sit (the woven halves never share inbox rows). fp8: the module's FP8 GEMM, whose
+        quantizer takes the half's rows (replicated layout: one chunk, its rows contiguous) and
+        whose FP8 weight the GEMM multiplies them with."""
+        ops = None
+        if fp8 is not None:
+            x, weight, ops = fp8.operands(rows.of(x)[0])
+            first, stride = 0, rows.rows
+        else:
+            x, first, stride = x.reshape(-1, x.shape[-1]), rows.offset, x.shape[1]
         seg = half_segments(self.layout, self.world, self.halves, i, hidden=weight.shape[0],
-                            k=weight.shape[1], ctas=self.gemm_ctas, first=rows.offset,
-                            chunk_stride=x.shape[1], fitted=self.comm.fitted_gemm)
+                            k=weight.shape[1], ctas=self.gemm_ctas, first=first,
+                            chunk_stride=stride, fitted=self.comm.fitted_gemm and ops is None,
+                            fp8=ops is not None)
         self.gemm_segments[i] = seg
-        self.comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i,
-                           ctas=self.gemm_ctas, call=self.site * 2 + i, validate=self.validate)
+        self.comm.row_gemm(x, weight, bias, seg, i, ctas=self.gemm_ctas, call=self.site * 2 + i,
+                           validate=self.validate, fp8=ops)
 
     # ------------------------------------------------------------------ the steps
     def inputs(self, handoff: Handoff | None, input_norm: torch.nn.Module,

@@ -446,7 +446,7 @@ def test_row_gemm_before_prepare_raises(gemm_comm):
     (dict(x=torch.randn(8, 24, dtype=torch.float64)), "must be torch.float32"),
     (dict(weight=torch.randn(16, 20)), r"weight must be \[16, 24\]"),
     (dict(bias=torch.randn(8)), r"bias \[16\]"),
-    (dict(x=torch.randn(8, 20), weight=torch.randn(16, 20)), "multiple of 8"),
+    (dict(x=torch.randn(8, 21), weight=torch.randn(16, 21)), "16-byte vectors"),
     (dict(x=torch.randn(24, 8).t()), "contiguous"),
     (dict(set_index=2), "set_index"),
     (dict(x=torch.randn(4, 24)), "read input rows up to 8"),

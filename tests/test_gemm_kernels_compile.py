@@ -1,5 +1,6 @@
 """The GEMM-fused mechanism's two GEMM kernels compile for Hopper (sm_90) with the installed
-Triton, without a GPU: every tile shape of ops/segments.py, bf16 and fp16, with and without bias.
+Triton, without a GPU: every tile shape of ops/segments.py, bf16 and fp16, with and without bias,
+and the one-consumer kernel's FP8 form (e4m3 operands, per-tensor and block scales).
 Gluon's API still moves between Triton versions (a TMA load was renamed after 3.6); this catches
 it before a GPU does. The PTX has the MMAs, 16-byte output stores and one system-scope fence per
 CTA (the flags' release), the properties docs/kernel.md relies on; in the one-consumer kernel
@@ -31,7 +32,8 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 def _signature(fn: Any, descriptors: dict, dtype: torch.dtype, consts: dict) -> tuple:
     """The launcher's specialization of a kernel: types, constexprs, 16-divisible arguments."""
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update(descriptors, bias_ptr="*" + TYPES[dtype], control_ptr="*i32",
+    scales = {n: "*fp32" for n in ("xs_ptr", "ws_ptr") if n in fn.arg_names}
+    sig.update(descriptors, bias_ptr="*" + TYPES[dtype], control_ptr="*i32", **scales,
                **{f"r{i}": "i64" for i in range(8)}, **dict.fromkeys(consts, "constexpr"))
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     return sig, attrs
@@ -55,15 +57,24 @@ def _range_layout(ttgir: str, n: int) -> str:
     return definition.group(1)
 
 
-def _one_consumer_asm(tiles: Any, bias: bool, dtype: torch.dtype) -> dict[str, Any]:
+def _one_consumer_asm(tiles: Any, bias: bool, dtype: torch.dtype,
+                      scales: int = 0) -> dict[str, Any]:
+    """scales: 16-bit operands (0), or e4m3 ones scaled per tensor (1) or in blocks (2), the
+    rows in `dtype`, K blocks of FP8_BLOCK_K."""
+    from dataclasses import replace
+
     from triton.compiler import ASTSource
 
     from megatron_tokenweave.kernels.owner_gemm import _owner_gemm_kernel as fn
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K
 
-    consts = dict(HAS_BIAS=bias, OUT_BF16=dtype == torch.bfloat16, BM=tiles.block_rows,
-                  BN=tiles.block_cols, BK=tiles.block_k, GROUP_M=tiles.group_rows,
-                  HALVES=tiles.block_cols >= 256, FLAG_LANES=32, RELEASE=True)
-    t = TYPES[dtype]
+    if scales:
+        tiles = replace(tiles, block_k=FP8_BLOCK_K)
+    consts = dict(HAS_BIAS=bias, OUT_BF16=dtype == torch.bfloat16, SCALES=scales,
+                  BM=tiles.block_rows, BN=tiles.block_cols, BK=tiles.block_k,
+                  GROUP_M=tiles.group_rows, HALVES=tiles.block_cols >= 256, FLAG_LANES=32,
+                  RELEASE=True)
+    t = "fp8e4nv" if scales else TYPES[dtype]
     sig, attrs = _signature(fn, {
         "a_desc": f"tensordesc<{t}[{tiles.block_rows}, {tiles.block_k}]>",
         "b_desc": f"tensordesc<{t}[{tiles.block_cols}, {tiles.block_k}]>"}, dtype, consts)
@@ -104,6 +115,9 @@ def _compile_all(rank: int, world: int) -> dict[tuple, dict[str, str]]:
         for name, tiles in TILES.items():
             asm = _one_consumer_asm(tiles, bias, dtype)
             out[("one", name, bias, dtype)] = {k: asm[k] for k in ("ptx", "ttgir")}
+            for scales in (1, 2):
+                out[("fp8", name, bias, dtype, scales)] = {
+                    "ptx": _one_consumer_asm(tiles, bias, dtype, scales)["ptx"]}
         out[("pingpong", bias, dtype)] = {"ptx": _pingpong_asm(bias, dtype)["ptx"]}
     return out
 
@@ -124,6 +138,18 @@ def test_one_consumer_kernel_compiles_for_sm90(assembly, tiles, bias, dtype):
     assert ptx.count("fence.acq_rel.sys") == 1
     lanes = _range_layout(asm["ttgir"], 32)
     assert "sizePerThread = [1]," in lanes and "threadsPerWarp = [32]," in lanes, lanes
+
+
+@pytest.mark.parametrize("scales", [1, 2], ids=["tensor_scales", "block_scales"])
+@pytest.mark.parametrize("dtype", list(TYPES))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tiles", list(TILES))
+def test_fp8_one_consumer_kernel_compiles_for_sm90(assembly, tiles, bias, dtype, scales):
+    """e4m3 operands: FP8 MMAs (e4m3 x e4m3, fp32 accumulator), the same stores and release."""
+    ptx = assembly[("fp8", tiles, bias, dtype, scales)]["ptx"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert "st.global.v4" in ptx
+    assert ptx.count("fence.acq_rel.sys") == 1
 
 
 @pytest.mark.parametrize("dtype", list(TYPES))

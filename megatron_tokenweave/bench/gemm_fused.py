@@ -24,7 +24,13 @@ best configuration's speed relative to cuBLAS, median over the shards. Replicate
 Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS calls
 back to back on as many inputs (a graph of a single call also times its replay's launch,
 microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), medians per
-call. `--passes N` times the same graphs N times (rows carry `pass`): a 10-25 us GEMM's ratio
+call. `--dtypes fp8 fp8_blocks`: e4m3 operands with bf16 rows, scaled per tensor (delayed and
+current scaling) or in TE's blockwise recipe's blocks (1 x 128 of x, 128 x 128 of the weight):
+the communicating GEMM (the Triton kernel's FP8 form, ops/fp8_operands.py) against cuBLAS's FP8
+GEMM through torch._scaled_mm (`cublas` rows: fast accumulation per tensor, as TE's forward GEMMs;
+cuBLAS's block-scaled form for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no `te` rows
+in FP8: te.Linear would add the quantization of x).
+`--passes N` times the same graphs N times (rows carry `pass`): a 10-25 us GEMM's ratio
 moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the median over passes
 and their range. Every communicating GEMM and CUTLASS row is checked against cuBLAS before
 timing. The reduction that consumes the rows needs peers: its timing is part of the 2-GPU
@@ -44,7 +50,18 @@ from megatron_tokenweave.bench.report import write_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.ops.segments import RELEASES, TILES, fitted_tiles, segments
+from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
+from megatron_tokenweave.ops.segments import (
+    FP8_BLOCK_K,
+    LARGE,
+    RELEASES,
+    SMALL,
+    TILES,
+    WIDE,
+    fitted_tiles,
+    segments,
+)
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
@@ -53,6 +70,7 @@ CALLS = 10  # calls per timed graph
 SWEEP = [512, 513, 641, 777, 1000, 1024, 1279, 1531, 2047, 2048, 2500, 3001, 3583, 4096, 4099,
          5003, 6143, 8191, 8192, 10007, 12289, 16383, 16384]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP8 = {"fp8": False, "fp8_blocks": True}  # e4m3 operands (bf16 rows): scaled in blocks or not
 # Every dense family's shapes ("tiny" is a test shape; Mixtral's experts are Llama-3-8B's shards)
 DENSE = [m for m, s in SHAPES.items() if not s.experts and s.hidden >= 1024]
 
@@ -69,6 +87,32 @@ def _te_linear(k: int, n: int, weight: torch.Tensor) -> Callable[[torch.Tensor],
     return linear
 
 
+def _fp8_inputs(alloc: int, tokens: int, n: int, k: int, blocks: bool, dev: torch.device
+                ) -> tuple[list[torch.Tensor], torch.Tensor, Fp8Operands]:
+    """CALLS e4m3 inputs [alloc, K], an e4m3 weight [N, K] and their scales (per tensor, or
+    TE's blocks for `tokens` rows): random values and random scales, the output of order one."""
+    xs = [torch.randn(alloc, k, device=dev).to(FP8_DTYPE) for _ in range(CALLS)]
+    w = torch.randn(n, k, device=dev).to(FP8_DTYPE)
+    spread = Fp8Operands(torch.empty(0), torch.empty(0), blocks).shapes(tokens, n, k)
+    x_s, w_s = (0.5 + torch.rand(shape, device=dev) for shape in spread)
+    return xs, w, Fp8Operands(x_s, w_s * k**-0.5, blocks)
+
+
+def _scaled_mm(w: torch.Tensor, ops: Fp8Operands, out: torch.Tensor,
+               tokens: int) -> Callable[[torch.Tensor], object]:
+    """cuBLAS's FP8 GEMM of x[:tokens] and w into `out`, scaled as `ops` (blocks: scale_a
+    [tokens, K/128] and scale_b [K/128, N/128], outer-dimension-major copies of ops' scales
+    without their padding, made once here)."""
+    if ops.blocks:
+        kb = w.shape[1] // BLOCK_COLS
+        a = ops.x_scale_inv[:, :tokens].contiguous().t()
+        b = ops.w_scale_inv[:, :kb].contiguous().t()
+    else:
+        a, b = ops.x_scale_inv, ops.w_scale_inv
+    return lambda x: torch._scaled_mm(x[:tokens], w.t(), a, b, out_dtype=out.dtype,
+                                      use_fast_accum=not ops.blocks, out=out)
+
+
 def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             cutlass: bool = False, passes: int = 1, breakdown: bool = False) -> list[dict]:
     """Rows of one (model, TP, tokens, dtype): every GEMM x impl x pass, in microseconds."""
@@ -76,15 +120,18 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     from megatron_tokenweave.kernels.inbox import GemmInbox
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
-    dev, torch_dtype = torch.device("cuda"), DTYPES[dtype]
+    dev = torch.device("cuda")
+    fp8 = dtype in FP8
+    torch_dtype = torch.bfloat16 if fp8 else DTYPES[dtype]
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    fitted = fitted_gemm_available(dev)
+    fitted = fitted_gemm_available(dev) and not fp8
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
-        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fitted=fitted)
+        seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fitted=fitted,
+                       fp8=fp8)
         # The kernel the policy did not pick, timed beside the pick.
         other = {}
         if fitted:
@@ -97,23 +144,30 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         if breakdown:
             triton = seg if not seg.tiles.fitted else other["tokenweave_triton"]
             forced = {f"tokenweave_release_{r}": replace(triton, release=r) for r in RELEASES}
+            shapes = ({t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in
+                       (("large", LARGE), ("wide", WIDE), ("small", SMALL))} if fp8 else TILES)
             forced.update({f"tokenweave_tiles_{t}": segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
-                for t, tiles in TILES.items()})
+                for t, tiles in shapes.items()})
         covered = _covered(seg, tp)
-        xs = [torch.randn(max(tokens, covered), k, device=dev, dtype=torch_dtype)
-              for _ in range(CALLS)]
-        w = torch.randn(n, k, device=dev, dtype=torch_dtype) / k**0.5
         out = torch.empty(max(tokens, covered), n, device=dev, dtype=torch_dtype)
-        impls = {
-            "cublas": lambda x, w=w, out=out: torch.matmul(x[:tokens], w.t(), out=out[:tokens]),
-            **{impl: lambda x, w=w, s=s: owner_gemm(x[:tokens], w, None, inbox, s, 0, sms, 1)
-               for impl, s in {"tokenweave": seg, **other, **forced}.items()},
-        }
-        if breakdown:
+        if fp8:
+            xs, w, ops = _fp8_inputs(max(tokens, covered), tokens, n, k, FP8[dtype], dev)
+            impls = {"cublas": _scaled_mm(w, ops, out[:tokens], tokens)}
+        else:
+            xs = [torch.randn(max(tokens, covered), k, device=dev, dtype=torch_dtype)
+                  for _ in range(CALLS)]
+            w = torch.randn(n, k, device=dev, dtype=torch_dtype) / k**0.5
+            ops = None
+            impls = {"cublas": lambda x, w=w, out=out: torch.matmul(x[:tokens], w.t(),
+                                                                   out=out[:tokens])}
+        impls.update({impl: lambda x, w=w, s=s, ops=ops: owner_gemm(
+            x[:tokens], w, None, inbox, s, 0, sms, 1, fp8=ops)
+                      for impl, s in {"tokenweave": seg, **other, **forced}.items()})
+        if breakdown and not fp8:
             impls["cublas_covered"] = lambda x, w=w, o=out[:covered]: torch.matmul(
                 x[:o.shape[0]], w.t(), out=o)
-        te = _te_linear(k, n, w)
+        te = None if fp8 else _te_linear(k, n, w)
         if te is not None:
             impls["te"] = lambda x, te=te: te(x[:tokens])
         if cutlass:
@@ -141,10 +195,11 @@ def _covered(seg, world: int) -> int:
 
 
 def _tiles_name(tiles) -> str:
-    """The Triton tiles' name (TILES), or the fitted kernel's: fit<tokens>, c if cooperative."""
+    """The Triton tiles' name (TILES; FP8's have deeper K blocks), or the fitted kernel's:
+    fit<tokens>, c if cooperative."""
     if tiles.fitted:
         return f"fit{tiles.block_rows}{'c' if tiles.cooperative else ''}"
-    return next(name for name, t in TILES.items() if t == tiles)
+    return next(name for name, t in TILES.items() if replace(t, block_k=tiles.block_k) == tiles)
 
 
 def _cutlass_impls(w: torch.Tensor, out: torch.Tensor, tokens: int) -> dict[str, Callable]:
@@ -287,7 +342,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cutlass", action="store_true",
                         help="also time CUTLASS's sm90 kernels (bench/cutlass_gemm.py; needs the "
                              "nvidia-cutlass package, builds on first use)")
-    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES),
+    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES | FP8),
                         help="GEMM dtypes")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the Triton kernels with each tile shape and release "

@@ -37,7 +37,8 @@ from megatron_tokenweave.kernels.owner_protocol import (
     tile_destination,
     tile_of,
 )
-from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, Segments
+from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, FP8_BLOCK_K, Segments
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_RANKS,
@@ -59,31 +60,57 @@ def _store_tile(dst, acc, bias_ptr, valid_rows, col0, N, HAS_BIAS: tl.constexpr,
              mask=(rows < valid_rows)[:, None] & (col0 + cols < N)[None, :])
 
 
-@triton.jit(do_not_specialize=PER_CALL)
+@triton.jit
+def _block_scales(xs_ptr, ws_ptr, xs_stride, ws_stride, x_row, x_rows, pn, kt, N,
+                  BM: tl.constexpr, BN: tl.constexpr):
+    """K block kt's scales of a tile's rows (1 x 128 blocks of x) and columns (128 x 128
+    blocks of the weight), ops/fp8_operands.py's layouts; rows and columns past x's or the
+    weight's end get 0."""
+    rows = x_row + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    xs = tl.load(xs_ptr + kt * xs_stride + rows, mask=rows < x_rows, other=0.0)
+    ws = tl.load(ws_ptr + (cols // 128) * ws_stride + kt, mask=cols < N, other=0.0)
+    return xs[:, None] * ws[None, :]
+
+
+@triton.jit(do_not_specialize=(*PER_CALL, "xs_stride", "x_rows"))
 def _owner_gemm_kernel(
-    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off, tags_off,
+    a_desc, b_desc, bias_ptr, xs_ptr, ws_ptr, xs_stride, ws_stride, x_rows,
+    control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off, tags_off,
     rank, set_index, call_tag, set_words, flag_blocks, flag_tiles,
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
-    HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, SCALES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HALVES: tl.constexpr, FLAG_LANES: tl.constexpr, RELEASE: tl.constexpr,
 ):
+    """SCALES: 0 for bf16/fp16 operands; FP8 ones scaled per tensor (1: the accumulator times
+    both scales once) or per block (2: each K block's product times its rows' and columns'
+    scales; BK = 128)."""
     out_dtype: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     epoch = call_epoch(control_ptr, set_index)
     blocks = tl.cdiv(seg_rows, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     per_group = GROUP_M * num_n
+    if SCALES == 1:
+        scale = tl.load(xs_ptr) * tl.load(ws_ptr)
     # Flattened (tile, K) loop: the next tile's loads are in flight during this tile's epilogue.
     # Only non-empty row blocks are tiles (num_m of them); rows past a segment's end in its last
     # block are computed and masked off.
     for tile in tl.range(tl.program_id(0), num_m * num_n, num_ctas, flatten=True):
         owner, m, pn = tile_of(tile, start, blocks, num_m, per_group, GROUP_M)
+        x_row = first + owner * step + m * BM
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(k_tiles):
-            a = a_desc.load([first + owner * step + m * BM, kt * BK])
+            a = a_desc.load([x_row, kt * BK])
             b = b_desc.load([pn * BN, kt * BK])
-            acc = tl.dot(a, b.T, acc)
+            if SCALES == 2:
+                acc += tl.dot(a, b.T) * _block_scales(xs_ptr, ws_ptr, xs_stride, ws_stride,
+                                                      x_row, x_rows, pn, kt, N, BM, BN)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if SCALES == 1:
+            acc = acc * scale
         dst, valid = tile_destination(owner, m, pn, seg_rows, total, r0, r1, r2, r3, r4, r5, r6,
                                       r7, slots_off, rank, slot_rows, row0, N, out_dtype, BM, BN)
         if HALVES:  # two column halves: half the store addresses live at once
@@ -104,7 +131,7 @@ def _owner_gemm_kernel(
 
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, tag: int,
-               validate: bool = True) -> None:
+               validate: bool = True, fp8: Fp8Operands | None = None) -> None:
     """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
     segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
     ctas: persistent CTAs (the SMs left to the GEMM); tag: the call's tag (31 bits), which its
@@ -114,7 +141,18 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the fitted CUDA kernel (its consumer publishes the rows and the tag).
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
     the consumer after this kernel ("consumer": no fence, no flags here). validate: check a
-    fitted call first (`check_fitted_gemm`; off where the caller checked it already)."""
+    fitted call or FP8 operands first (`check_fitted_gemm`, `Fp8Operands.check`; off where
+    the caller checked them already).
+    fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the one-consumer Triton
+    kernel with FP8 tiles, ops/segments.tiles_for(fp8=True)); the tiles land in the inbox's
+    dtype."""
+    if fp8 is not None:
+        if seg.tiles.fitted or seg.tiles.consumers != 1 or seg.tiles.block_k != FP8_BLOCK_K:
+            raise TokenWeaveInputError(
+                f"FP8 operands take the one-consumer Triton kernel with {FP8_BLOCK_K}-deep K "
+                f"blocks (segments(..., fp8=True)), got {seg.tiles}")
+        if validate:
+            fp8.check(x, weight)
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
         if validate:
             check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world)
@@ -138,9 +176,13 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return
     a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])
+    scales = (0, weight, weight, 0, 0) if fp8 is None else (
+        2 if fp8.blocks else 1, fp8.x_scale_inv, fp8.w_scale_inv,
+        fp8.x_scale_inv.stride(0), fp8.w_scale_inv.stride(0))
     _owner_gemm_kernel[(grid,)](
-        a_desc, b_desc, bias if bias is not None else weight, *protocol,
-        HAS_BIAS=bias is not None, OUT_BF16=x.dtype == torch.bfloat16,
+        a_desc, b_desc, bias if bias is not None else weight, *scales[1:], x.shape[0],
+        *protocol, HAS_BIAS=bias is not None, OUT_BF16=inbox.dtype == torch.bfloat16,
+        SCALES=scales[0],
         BM=t.block_rows, BN=t.block_cols, BK=t.block_k, GROUP_M=t.group_rows,
         HALVES=t.block_cols >= 256, FLAG_LANES=32, RELEASE=release, num_warps=t.warps,
         num_stages=t.stages)

@@ -16,25 +16,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.reference import rms_norm_fp32
 from megatron_tokenweave.ops.segments import Segments
 from megatron_tokenweave.ops.validate import Layout
 
 
 def store_to_owners(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    seg: Segments, inbox: torch.Tensor, group: dist.ProcessGroup) -> None:
+                    seg: Segments, inbox: torch.Tensor, group: dist.ProcessGroup,
+                    fp8: Fp8Operands | None = None) -> None:
     """x: [rows, K] (every chunk's rows); weight: [hidden, K]; inbox: this rank's
-    [world, slot_rows, hidden] slots."""
+    [world, slot_rows, hidden] slots; fp8: x and weight are e4m3 with these scales (their
+    dequantized product, rounded once to the inbox's dtype)."""
     world = dist.get_world_size(group)
-    send = x.new_zeros(world, seg.rows, weight.shape[0])
+    xf, wf = fp8.dequantized(x, weight) if fp8 is not None else (x.float(), weight.float())
+    send = inbox.new_zeros(world, seg.rows, weight.shape[0])
     for c in range(world):
         n = seg.length(c)
         if n:
             start = seg.first + c * seg.step
-            out = x[start:start + n].float() @ weight.float().t()
+            out = xf[start:start + n] @ wf.t()
             if bias is not None:
                 out += bias.float()
-            send[c, :n] = out.to(x.dtype)
+            send[c, :n] = out.to(inbox.dtype)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     inbox[:, seg.row0:seg.row0 + seg.rows].copy_(recv)

@@ -17,7 +17,7 @@ and the CPU emulation (ops/gemm_emulation.py) all take their geometry from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
@@ -58,6 +58,9 @@ WIDE = GemmTiles(block_rows=64, block_cols=256, block_k=64, stages=4, warps=4, e
 SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, efficiency=0.6)
 PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4, consumers=2)
 TILES = {"large": LARGE, "wide": WIDE, "small": SMALL, "pingpong": PINGPONG}  # by name
+# FP8 (e4m3) operands: the one-consumer tiles with 128-deep K blocks, the same bytes per stage
+# as the 16-bit tiles' 64 and the blockwise recipe's scale block (ops/fp8_operands.py).
+FP8_BLOCK_K = 128
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
 # (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES, or PINGPONG_MIN_TILES_SHORT_K for
 # in-features up to PINGPONG_MAX_K (short K loops, where the one-consumer kernels' epilogue is
@@ -151,7 +154,7 @@ def wave_efficiency(t: GemmTiles, layout: Layout, world: int, rows: int, hidden:
 
 
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
-              ctas: int, fitted: bool = False) -> GemmTiles:
+              ctas: int, fitted: bool = False, fp8: bool = False) -> GemmTiles:
     """The tiles of a call over k in-features: the ping-pong kernel's where it was measured
     faster (enough tiles per CTA, fewer for short K; in WIDE's place for long K) and its waves
     take no longer than the best one-consumer tiles' (`estimated_time`), else those: large
@@ -160,7 +163,13 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     ping-pong tiles took three waves where WIDE's took two, 0.65-0.90x of cuBLAS against
     0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two").
     fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
-    at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW."""
+    at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW.
+    fp8: e4m3 operands, which only the one-consumer Triton kernel takes: the fastest of its
+    tiles by `estimated_time`, with FP8_BLOCK_K-deep K blocks."""
+    if fp8:
+        one = min((LARGE, WIDE, SMALL),
+                  key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
+        return replace(one, block_k=FP8_BLOCK_K)
     triton = _triton_tiles(layout, world, rows, hidden, k, ctas)
     if (fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
             and wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW):
@@ -259,7 +268,7 @@ def _round_up(n: int, m: int) -> int:
 def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas: int,
              first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
              first_set_rows: int = 0, tiles: GemmTiles | None = None,
-             release: str | None = None, fitted: bool = False) -> Segments:
+             release: str | None = None, fitted: bool = False, fp8: bool = False) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
     rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
     CTAs (which pick the tiles: `tiles_for`).
@@ -274,11 +283,13 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
         `release_for`'s pick (benchmarks comparing them, tests reaching both).
     fitted: the fitted kernel may take the call (`tiles_for`) unless the GEMM's release is
         forced; its rows always have the consumer's release.
+    fp8: the GEMM's operands are e4m3 (`tiles_for`).
     """
     if release is not None and release not in RELEASES:
         raise TokenWeaveInputError(f"release must be one of {RELEASES}, got {release!r}")
     # A forced GEMM release keeps the Triton kernels (the fitted one cannot release its rows).
-    tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas, fitted and release != "gemm")
+    tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas,
+                               fitted and release != "gemm", fp8)
     if tiles.fitted and release == "gemm":
         raise TokenWeaveInputError("the fitted kernel's rows are released by its consumer only")
     release = release or ("consumer" if tiles.fitted else release_for(
@@ -299,14 +310,15 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
                   ctas: int, first: int = 0, chunk_stride: int = 0,
                   tiles: GemmTiles | None = None, release: str | None = None,
-                  fitted: bool = False) -> Segments:
+                  fitted: bool = False, fp8: bool = False) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
-    `chunk_stride` rows apart (`segments` says how, and what `tiles`, `release` and `fitted`
-    do)."""
+    `chunk_stride` rows apart (`segments` says how, and what `tiles`, `release`, `fitted` and
+    `fp8` do)."""
     return segments(layout, world, halves[i].rows, hidden=hidden, k=k, ctas=ctas, first=first,
                     chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
-                    first_set_rows=halves[0].rows, tiles=tiles, release=release, fitted=fitted)
+                    first_set_rows=halves[0].rows, tiles=tiles, release=release, fitted=fitted,
+                    fp8=fp8)
 
 
 def slot_rows(max_tokens: int, world: int) -> int:

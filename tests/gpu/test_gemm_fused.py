@@ -339,15 +339,27 @@ def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative
     ref = x.float() @ w.float().t()
     if bias is not None:
         ref += bias.float()
-    ref = ref.to(dtype).float()
+    return _slots_wrong(inbox, seg, world, rank, ref.to(dtype).float(), dtype, 1e-4)
+
+
+def _slots_wrong(inbox, seg, world: int, rank: int, want_rows: torch.Tensor, dtype,
+                 slack) -> str | None:
+    """None if every owner's slot of `rank` holds its segment's rows of `want_rows` (the
+    reference over x's rows, rounded to dtype) within one unit in the last place + `slack`
+    (a number or a tensor like want_rows), every other row still poisoned; else what is
+    wrong."""
+    if torch.is_tensor(slack):
+        slack = slack.float()
     for c in range(world):
         length = seg.length(c)
-        want = ref[seg.first + c * seg.step:seg.first + c * seg.step + length]
+        lo = seg.first + c * seg.step
+        want = want_rows[lo:lo + length]
         slot = inbox.owner_slots[c][rank].float()
         got = slot[seg.row0:seg.row0 + length]
         if got.isnan().any():
             return f"owner {c}: rows left unwritten"
-        miss = (got - want).abs() - ulp(want, dtype) - 1e-4  # as tests/_rounding.within
+        room = slack[lo:lo + length] if torch.is_tensor(slack) else slack
+        miss = (got - want).abs() - ulp(want, dtype) - room  # as tests/_rounding.within
         if length and (miss > 0).any():
             return f"owner {c}: beyond rounding by up to {miss.max().item():.3g}"
         rest = torch.cat([slot[:seg.row0], slot[seg.row0 + length:]])
@@ -415,4 +427,136 @@ def test_fitted_gemm_launcher_refuses_bad_input():
     for xx, ww, ss, match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):
             owner_gemm(xx, ww, None, inbox, ss, 0, 132, 1)
+    inbox.close()
+
+
+# --------------------------------------------------------------------- FP8 operands (Triton)
+# FP8 tensor cores on Hopper add products into an accumulator of reduced precision (about 14
+# mantissa bits; cuBLAS's fast accumulation and Triton's FP8 dot keep it over all of K, the
+# block-scaled form over 128): the bound on the kernel's sum is this fraction of the sum of the
+# products' magnitudes (a wrong scale or row moves a sum by a whole output, about 2^-5 of it).
+FP8_ACC = 2.0 ** -9
+
+
+def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on,
+              seed) -> tuple[str | None, float]:
+    """One FP8 call of the Triton kernel (tiles_for(fp8=True)) into a loopback inbox, as
+    rank `rank`: None if every owner's slot holds its rows of the dequantized fp32 product
+    (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
+    magnitudes, else what is wrong; and the largest error relative to those magnitudes."""
+    from megatron_tokenweave.kernels.owner_gemm import owner_gemm
+    from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+    from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
+    from megatron_tokenweave.ops.segments import segments
+    from megatron_tokenweave.ops.validate import Layout
+
+    dev = torch.device("cuda", 0)
+    dtype = inbox.dtype
+    sp = layout is Layout.SEQUENCE_PARALLEL
+    stride = rows + 5
+    seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, first=3,
+                   chunk_stride=stride if sp else 0, chunk_row0=11 if sp else 0, fp8=True)
+    x = _gen(seed, (3 + (world * stride if sp else rows) + 2, k), torch.float32, dev)
+    x = x.to(FP8_DTYPE)
+    w = _gen(seed + 1, (n, k), torch.float32, dev).to(FP8_DTYPE)
+    spread = Fp8Operands(x, w, blocks).shapes(x.shape[0], n, k)
+    x_s, w_s = ((0.5 + _gen(seed + 2 + i, shape, torch.float32, dev).abs()).contiguous()
+                for i, shape in enumerate(spread))
+    ops = Fp8Operands(x_s, w_s * k ** -0.5, blocks)
+    bias = _gen(seed + 4, (n,), dtype, dev) if bias_on else None
+    for slots in inbox.owner_slots:
+        slots.fill_(float("nan"))
+    owner_gemm(x, w, bias, inbox, seg, 0, 132, 1, fp8=ops)
+    torch.cuda.synchronize()
+    xf, wf = ops.dequantized(x, w)
+    ref = xf @ wf.t()
+    if bias is not None:
+        ref += bias.float()
+    magnitude = xf.abs() @ wf.abs().t()
+    bad = _slots_wrong(inbox, seg, world, 0, ref.to(dtype).float(), dtype,
+                       FP8_ACC * magnitude + 1e-4)
+    worst = max(((inbox.owner_slots[c][0, seg.row0:seg.row0 + seg.length(c)].float()
+                  - ref[seg.first + c * seg.step:seg.first + c * seg.step + seg.length(c)])
+                 .abs() / magnitude[seg.first + c * seg.step:
+                                    seg.first + c * seg.step + seg.length(c)]).max().item()
+                for c in range(world) if seg.length(c))
+    return bad, worst
+
+
+def test_fp8_gemm_matches_dequantized_reference():
+    """The Triton kernel's FP8 form (per-tensor and blockwise scales, ops/fp8_operands.py) lands
+    every owner's rows of the dequantized product, rounded once to bf16 or fp16 (the inbox's
+    dtype), every other row still poisoned: replicated at TP 2 and 8, sequence parallel at
+    TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model families (K 1792-3584,
+    out-features 4096-8192) and one with out-features not a multiple of 128, bias or none,
+    every FP8 tile shape among the calls (asserted)."""
+    _skip_without_kernels()
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 tensor cores need sm_89 or newer")
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.ops.segments import TILES, segments
+    from megatron_tokenweave.ops.validate import Layout
+
+    dev = torch.device("cuda", 0)
+    failures, cases, seed, seen, worst = [], 0, 100, set(), {False: 0.0, True: 0.0}
+    for dtype in (torch.bfloat16, torch.float16):
+        for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256)):
+            for layout, world in ((Layout.REPLICATED, 2), (Layout.REPLICATED, 8),
+                                  (Layout.SEQUENCE_PARALLEL, 4)):
+                sp = layout is Layout.SEQUENCE_PARALLEL
+                inbox = GemmInbox.loopback(world, world * 1031 + 64, n, dtype, dev)
+                for rows in ((1, 7, 100, 260) if sp else (1, 7, 100, 513, 777, 1031)):
+                    for blocks in (False, True):
+                        seed += 5
+                        seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, fp8=True)
+                        seen.add(next(t for t, v in TILES.items()
+                                      if v.block_rows == seg.tiles.block_rows
+                                      and v.block_cols == seg.tiles.block_cols))
+                        bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
+                                             seed % 2 == 0, seed)
+                        worst[blocks] = max(worst[blocks], err)
+                        cases += 1
+                        if bad:
+                            failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
+                                            f"rows={rows} blocks={blocks}: {bad}")
+                inbox.close()
+    print(f"FP8 GEMM: {cases - len(failures)} of {cases} cases within bounds, tiles {seen}; "
+          f"largest |error| / sum of |products|: per tensor {worst[False]:.2e}, blocks "
+          f"{worst[True]:.2e}")
+    assert not failures, "\n".join(failures[:12])
+    assert seen >= {"large", "wide", "small"}, seen
+
+
+def test_fp8_gemm_refuses_bad_input():
+    """FP8 calls with 16-bit or fitted tiles, operands not e4m3, scales of the wrong shape or
+    dtype, or blockwise K not whole blocks: TokenWeaveInputError, nothing launched."""
+    _skip_without_kernels()
+    from dataclasses import replace
+
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.kernels.owner_gemm import owner_gemm
+    from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+    from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
+    from megatron_tokenweave.ops.segments import segments
+    from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
+
+    dev = torch.device("cuda", 0)
+    inbox = GemmInbox.loopback(2, 1024, 512, torch.bfloat16, dev)
+    seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8=True)
+    x = torch.randn(300, 256, device=dev).to(FP8_DTYPE)
+    w = torch.randn(512, 256, device=dev).to(FP8_DTYPE)
+    one = torch.ones(1, device=dev)
+    blocks = Fp8Operands(torch.ones(2, 300, device=dev), torch.ones(4, 4, device=dev), True)
+    bad = [(x, w, segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132),
+            Fp8Operands(one, one), "128-deep K blocks"),
+           (x.to(torch.bfloat16), w, seg, Fp8Operands(one, one), "float8_e4m3fn"),
+           (x, w, seg, Fp8Operands(one.double(), one), "float32"),
+           (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),
+           (x, w, seg, replace(blocks, x_scale_inv=torch.ones(2, 301, device=dev)), "x scale"),
+           (x[:, :192].contiguous(), w[:, :192].contiguous(),
+            segments(Layout.REPLICATED, 2, 300, hidden=512, k=192, ctas=132, fp8=True),
+            replace(blocks, x_scale_inv=torch.ones(1, 300, device=dev)), "multiple of 128")]
+    for xx, ww, ss, ops, match in bad:
+        with pytest.raises(TokenWeaveInputError, match=match):
+            owner_gemm(xx, ww, None, inbox, ss, 0, 132, 1, fp8=ops)
     inbox.close()

@@ -134,19 +134,26 @@ def _count_fused_calls() -> list[str]:
     return calls
 
 
-def _count_woven_fp8_gemms() -> list[int]:
-    """From now on in this rank, every FP8 GEMM a woven linear runs (fp8_gemm's call of TE's
-    general_gemm) appends its rows."""
+def _count_woven_fp8_gemms() -> list[int | str]:
+    """From now on in this rank, every FP8 GEMM a woven linear runs appends its rows (fp8_gemm's
+    call of TE's general_gemm) or "gemm" (the communicating GEMM on FP8 operands)."""
     from megatron_tokenweave import fp8_gemm
+    from megatron_tokenweave.communicator import Communicator
 
-    gemms: list[int] = []
-    original = fp8_gemm.general_gemm
+    gemms: list[int | str] = []
+    original, row_gemm = fp8_gemm.general_gemm, Communicator.row_gemm
 
     def counting(weight, x, *args, **kwargs):
         gemms.append(x.size(0) if hasattr(x, "size") else -1)
         return original(weight, x, *args, **kwargs)
 
+    def counting_row(self, x, *args, **kwargs):
+        if kwargs.get("fp8") is not None:
+            gemms.append("gemm")
+        return row_gemm(self, x, *args, **kwargs)
+
     fp8_gemm.general_gemm = counting
+    Communicator.row_gemm = counting_row
     return gemms
 
 
@@ -220,8 +227,12 @@ def _parity(rank: int, world: int, te: bool = False,
                         out = tw(tokens, pos, attention_mask=None).float()
                     err_stock = ((ref - gold).norm() / gold.norm()).item()
                     err_tw = ((out - gold).norm() / gold.norm()).item()
-                    woven = (len(calls) if fp8_gemms is None or len(fp8_gemms) >= 2 * len(calls)
-                             else -len(calls))
+                    # FP8: two woven FP8 GEMMs per fused op, the row ones communicating where
+                    # the GEMM-fused mechanism runs (replicated layout)
+                    woven = (len(calls) if fp8_gemms is None or (
+                        len(fp8_gemms) >= 2 * len(calls)
+                        and ("gemm" in fp8_gemms) == (comm == "gemm" and not sp))
+                        else -len(calls))
                     results.append((sp, f"{backend}/{comm}", bool(split), seq, batch,
                                     err_stock, err_tw, woven, -1 if first else len(written)))
                     first = False
@@ -316,7 +327,7 @@ def test_fp8_logits_match_te_fp8_spec_ranks_sharing_one_gpu(world, recipe):
     """FP8 (e4m3, each recipe TE runs on Hopper), TP 2 and 4 as processes sharing GPU 0: the
     TokenWeave TE flavour, its linears running TE's FP8 GEMMs half by half, against Megatron's TE
     spec in the same recipe with the same weights, both starting from fresh quantizer state;
-    every mechanism (the GEMM-fused one gives way to the fused op in FP8), split forced and by
+    every mechanism (the GEMM-fused one with its FP8 communicating GEMM), split forced and by
     policy, replicated layout: error against the fp32 yardstick within the stock FP8 model's
     own (x1.25 + 1e-3), woven FP8 GEMMs in every case."""
     _one_gpu_te()

@@ -59,8 +59,9 @@ __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const
   constexpr int kTeams = teams_for(kVpt);  // rmsnorm_row.cuh
   constexpr int kV = kVpt * kTeams;         // vectors per thread of a team
   __shared__ float s_red[kMaxTeams][2][kMaxThreads / 32];
-  // Team t takes rows b + (t + i * teams) * G of each chunk: two rows' load latencies, block
-  // reductions and epilogues in flight per CTA.
+  // The CTA's rows are b + i * G of each chunk, counted across chunks; team t takes those whose
+  // count is t modulo the teams (two rows' load latencies, block reductions and epilogues in
+  // flight per CTA, also where a chunk gives the CTA a single row).
   const Team<kTeams> team;
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -69,8 +70,7 @@ __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const
   char* res_out = static_cast<char*>(p.residual_out);
   char* normed = static_cast<char*>(p.normed_local);
   float (&red)[2][kMaxThreads / 32] = s_red[team.id()];
-  const int step = kTeams * gridDim.x;
-  int parity = 0;
+  int parity = 0, count = 0;
   Fp8Acc acc = fp8_begin(p.fp8);  // FP8 rows (fp8_rows.cuh)
   // One team: a row's normed stores are emitted one row late, before the next row's barrier
   // (as in the bulk kernel: their latency overlaps that barrier's wait); two teams: at once.
@@ -84,8 +84,9 @@ __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const
   };
   for (int c = 0; c < p.world; ++c) {
     const int end = min(p.rows, (c + 1) * chunk_rows);
-    for (int row = c * chunk_rows + blockIdx.x + team.id() * gridDim.x; row < end;
-         row += step, parity ^= 1) {
+    for (int row = c * chunk_rows + blockIdx.x; row < end; row += gridDim.x) {
+      if (count++ % kTeams != team.id()) continue;
+      parity ^= 1;
       const int64_t roff = row * row_bytes;
       float y[kV][8];
       float ss[kTeams] = {};
