@@ -32,6 +32,7 @@ delayed scaling, the same amax as the quantizer would have produced from the bf1
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,9 +226,14 @@ class Fp8Gemm:
         as the communicating GEMM takes them: e4m3 data and their scale_inv (per tensor, or
         TE's GEMM-ready blocks)."""
         x, x_scales = _e4m3(self.input_q(_granules(rows)))
-        w, w_scales = _e4m3(self.weight)
+        w, w_scales = self._weight_e4m3
         return x, w, Fp8Operands(x_scales, w_scales,
                                  blocks=isinstance(self.weight, Float8BlockwiseQTensorStorage))
+
+    @functools.cached_property
+    def _weight_e4m3(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 weight's data and scale_inv, taken once for the call's halves."""
+        return _e4m3(self.weight)
 
 
 def _granules(rows: torch.Tensor) -> torch.Tensor:

@@ -54,11 +54,9 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
-    LARGE,
+    ONE_CONSUMER,
     RELEASES,
-    SMALL,
     TILES,
-    WIDE,
     fitted_tiles,
     segments,
 )
@@ -144,8 +142,8 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         if breakdown:
             triton = seg if not seg.tiles.fitted else other["tokenweave_triton"]
             forced = {f"tokenweave_release_{r}": replace(triton, release=r) for r in RELEASES}
-            shapes = ({t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in
-                       (("large", LARGE), ("wide", WIDE), ("small", SMALL))} if fp8 else TILES)
+            shapes = ({t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in TILES.items()
+                       if tiles in ONE_CONSUMER} if fp8 else TILES)
             forced.update({f"tokenweave_tiles_{t}": segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                 for t, tiles in shapes.items()})

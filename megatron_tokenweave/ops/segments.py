@@ -58,6 +58,7 @@ WIDE = GemmTiles(block_rows=64, block_cols=256, block_k=64, stages=4, warps=4, e
 SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, efficiency=0.6)
 PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4, consumers=2)
 TILES = {"large": LARGE, "wide": WIDE, "small": SMALL, "pingpong": PINGPONG}  # by name
+ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # FP8 (e4m3) operands: the one-consumer tiles with 128-deep K blocks, the same bytes per stage
 # as the 16-bit tiles' 64 and the blockwise recipe's scale block (ops/fp8_operands.py).
 FP8_BLOCK_K = 128
@@ -167,7 +168,7 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     fp8: e4m3 operands, which only the one-consumer Triton kernel takes: the fastest of its
     tiles by `estimated_time`, with FP8_BLOCK_K-deep K blocks."""
     if fp8:
-        one = min((LARGE, WIDE, SMALL),
+        one = min(ONE_CONSUMER,
                   key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
         return replace(one, block_k=FP8_BLOCK_K)
     triton = _triton_tiles(layout, world, rows, hidden, k, ctas)
@@ -181,8 +182,8 @@ def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
                   ctas: int) -> GemmTiles:
     """The Triton kernels' tiles of a call (`tiles_for`)."""
     times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
-             for t in (LARGE, WIDE, SMALL, PINGPONG)}
-    one = min((LARGE, WIDE, SMALL), key=times.__getitem__)
+             for t in (*ONE_CONSUMER, PINGPONG)}
+    one = min(ONE_CONSUMER, key=times.__getitem__)
     if times[PINGPONG] > times[one]:
         return one
     per_cta = (row_blocks(layout, world, rows, PINGPONG.block_rows)

@@ -371,33 +371,41 @@ def _slots_wrong(inbox, seg, world: int, rank: int, want_rows: torch.Tensor, dty
     return None
 
 
+def _loopback_calls(n: int, dtype, dev):
+    """(layout, world, inbox, rows) of the one-process GEMM tests: replicated at TP 2 and 8,
+    sequence parallel at TP 4, rows 1-1031 (odd, prime, one past a tile); each layout's
+    loopback inbox of n columns, closed after its rows."""
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.ops.validate import Layout
+
+    for layout, world in ((Layout.REPLICATED, 2), (Layout.REPLICATED, 8),
+                          (Layout.SEQUENCE_PARALLEL, 4)):
+        sp = layout is Layout.SEQUENCE_PARALLEL
+        inbox = GemmInbox.loopback(world, world * 1031 + 64, n, dtype, dev)
+        for rows in ((1, 7, 100, 260) if sp else (1, 7, 100, 513, 777, 1031)):
+            yield layout, world, inbox, rows
+        inbox.close()
+
+
 def test_fitted_gemm_matches_reference():
     """The fitted kernel's rows equal fp32 GEMMs rounded once, within one unit in the last
     place plus 1e-4 (its fp32 accumulation order is not torch's: a sum near a rounding boundary
     may round to the neighbouring value, and a sum near zero moves by more than its own ulp)."""
     _skip_without_fitted()
-    from megatron_tokenweave.kernels.inbox import GemmInbox
-    from megatron_tokenweave.ops.validate import Layout
-
     dev = torch.device("cuda", 0)
     failures, cases, seed = [], 0, 0
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 4096), (4096, 1792), (3584, 2368), (1000, 200)):
-            for layout, world in ((Layout.REPLICATED, 2), (Layout.REPLICATED, 8),
-                                  (Layout.SEQUENCE_PARALLEL, 4)):
-                sp = layout is Layout.SEQUENCE_PARALLEL
-                inbox = GemmInbox.loopback(world, world * 1031 + 64, n, dtype, dev)
-                for rows in ((1, 7, 100, 260) if sp else (1, 7, 100, 513, 777, 1031)):
-                    for block_rows, cooperative in ((16, False), (72, True), (136, False),
-                                                    (176, True)):
-                        seed += 1
-                        bad = _fitted_case(inbox, layout, world, seed % world, rows, k, n,
-                                           block_rows, cooperative, dtype, seed % 2 == 0, seed)
-                        cases += 1
-                        if bad:
-                            failures.append((dtype, n, k, layout.value, world, rows, block_rows,
-                                             cooperative, bad))
-                inbox.close()
+            for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
+                for block_rows, cooperative in ((16, False), (72, True), (136, False),
+                                                (176, True)):
+                    seed += 1
+                    bad = _fitted_case(inbox, layout, world, seed % world, rows, k, n,
+                                       block_rows, cooperative, dtype, seed % 2 == 0, seed)
+                    cases += 1
+                    if bad:
+                        failures.append((dtype, n, k, layout.value, world, rows, block_rows,
+                                         cooperative, bad))
     print(f"fitted GEMM: {cases - len(failures)} of {cases} cases exact")
     assert not failures, failures[:10]
 
@@ -493,33 +501,26 @@ def test_fp8_gemm_matches_dequantized_reference():
     _skip_without_kernels()
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89 or newer")
-    from megatron_tokenweave.kernels.inbox import GemmInbox
     from megatron_tokenweave.ops.segments import TILES, segments
-    from megatron_tokenweave.ops.validate import Layout
 
     dev = torch.device("cuda", 0)
     failures, cases, seed, seen, worst = [], 0, 100, set(), {False: 0.0, True: 0.0}
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256)):
-            for layout, world in ((Layout.REPLICATED, 2), (Layout.REPLICATED, 8),
-                                  (Layout.SEQUENCE_PARALLEL, 4)):
-                sp = layout is Layout.SEQUENCE_PARALLEL
-                inbox = GemmInbox.loopback(world, world * 1031 + 64, n, dtype, dev)
-                for rows in ((1, 7, 100, 260) if sp else (1, 7, 100, 513, 777, 1031)):
-                    for blocks in (False, True):
-                        seed += 5
-                        seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, fp8=True)
-                        seen.add(next(t for t, v in TILES.items()
-                                      if v.block_rows == seg.tiles.block_rows
-                                      and v.block_cols == seg.tiles.block_cols))
-                        bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
-                                             seed % 2 == 0, seed)
-                        worst[blocks] = max(worst[blocks], err)
-                        cases += 1
-                        if bad:
-                            failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
-                                            f"rows={rows} blocks={blocks}: {bad}")
-                inbox.close()
+            for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
+                for blocks in (False, True):
+                    seed += 5
+                    seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, fp8=True)
+                    seen.add(next(t for t, v in TILES.items()
+                                  if v.block_rows == seg.tiles.block_rows
+                                  and v.block_cols == seg.tiles.block_cols))
+                    bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
+                                         seed % 2 == 0, seed)
+                    worst[blocks] = max(worst[blocks], err)
+                    cases += 1
+                    if bad:
+                        failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
+                                        f"rows={rows} blocks={blocks}: {bad}")
     print(f"FP8 GEMM: {cases - len(failures)} of {cases} cases within bounds, tiles {seen}; "
           f"largest |error| / sum of |products|: per tensor {worst[False]:.2e}, blocks "
           f"{worst[True]:.2e}")
