@@ -1,6 +1,7 @@
 """The GEMM-fused mechanism's two GEMM kernels compile for Hopper (sm_90) with the installed
 Triton, without a GPU: every tile shape of ops/segments.py, bf16 and fp16, with and without bias,
-and the one-consumer kernel's FP8 form (e4m3 operands, per-tensor and block scales).
+and their FP8 forms (e4m3 operands: the one-consumer kernel per-tensor and block scales, the
+ping-pong kernel per-tensor).
 Gluon's API still moves between Triton versions (a TMA load was renamed after 3.6); this catches
 it before a GPU does. The PTX has the MMAs, 16-byte output stores and one system-scope fence per
 CTA (the flags' release), the properties docs/kernel.md relies on; in the one-consumer kernel
@@ -81,23 +82,27 @@ def _one_consumer_asm(tiles: Any, bias: bool, dtype: torch.dtype,
     return _compile(ASTSource(fn, sig, consts, attrs), tiles.warps, tiles.stages)
 
 
-def _pingpong_asm(bias: bool, dtype: torch.dtype) -> dict[str, Any]:
-    from triton.experimental.gluon import language as gl
+def _pingpong_asm(bias: bool, dtype: torch.dtype, scaled: bool = False) -> dict[str, Any]:
+    """scaled: e4m3 operands scaled per tensor, the rows in `dtype`, K blocks of FP8_BLOCK_K."""
+    from dataclasses import replace
+
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     from megatron_tokenweave.kernels.owner_gemm_pingpong import _pingpong_kernel as fn
+    from megatron_tokenweave.kernels.owner_gemm_pingpong import _smem_layout
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K
 
-    t = PINGPONG
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    host = torch.empty(256, 256, dtype=dtype)
+    t = replace(PINGPONG, block_k=FP8_BLOCK_K) if scaled else PINGPONG
+    host = torch.empty(256, 256, dtype=torch.float8_e4m3fn if scaled else dtype)
 
     def desc(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, t.block_k], gdt)
+        layout = _smem_layout(rows, t.block_k, host.dtype)
         return mangle_type(TensorDescriptor.from_tensor(host, [rows, t.block_k], layout))
 
-    consts = dict(HAS_BIAS=bias, GROUP_M=t.group_rows, STAGES=t.stages, RELEASE=True)
+    consts = dict(HAS_BIAS=bias, OUT_BF16=dtype == torch.bfloat16, SCALED=scaled,
+                  GROUP_M=t.group_rows, STAGES=t.stages, RELEASE=True)
     sig, attrs = _signature(fn, {"a_desc": desc(t.block_rows), "b_desc": desc(t.block_cols)},
                             dtype, consts)
     return _compile(GluonASTSource(fn, sig, consts, attrs), t.warps)
@@ -118,7 +123,9 @@ def _compile_all(rank: int, world: int) -> dict[tuple, dict[str, str]]:
             for scales in (1, 2):
                 out[("fp8", name, bias, dtype, scales)] = {
                     "ptx": _one_consumer_asm(tiles, bias, dtype, scales)["ptx"]}
-        out[("pingpong", bias, dtype)] = {"ptx": _pingpong_asm(bias, dtype)["ptx"]}
+        for scaled in (False, True):
+            out[("pingpong", bias, dtype, scaled)] = {
+                "ptx": _pingpong_asm(bias, dtype, scaled)["ptx"]}
     return out
 
 
@@ -154,9 +161,13 @@ def test_fp8_one_consumer_kernel_compiles_for_sm90(assembly, tiles, bias, dtype,
 
 @pytest.mark.parametrize("dtype", list(TYPES))
 @pytest.mark.parametrize("bias", [False, True])
-def test_pingpong_kernel_compiles_for_sm90(assembly, bias, dtype):
-    ptx = assembly[("pingpong", bias, dtype)]["ptx"]
-    assert "wgmma.mma_async" in ptx
+@pytest.mark.parametrize("scaled", [False, True], ids=["16bit", "fp8_tensor_scales"])
+def test_pingpong_kernel_compiles_for_sm90(assembly, bias, dtype, scaled):
+    """16-bit operands, or e4m3 ones scaled per tensor (FP8 MMAs) with rows in `dtype`."""
+    ptx = assembly[("pingpong", bias, dtype, scaled)]["ptx"]
+    ptx_type = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    mma = r"k32\.f32\.e4m3\.e4m3" if scaled else rf"k16\.f32\.{ptx_type}\.{ptx_type}"
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + mma, ptx)
     assert "setmaxnreg" in ptx  # the partitions really are warp-specialized
     assert "st.global.v4" in ptx
     assert ptx.count("fence.acq_rel.sys") == 1

@@ -10,14 +10,15 @@ kernels/owner_gemm*.py, or on sm_90 the fitted CUDA kernel, csrc/include/tokenwe
 fit_gemm.cuh; its epilogue stores every row another rank owns into that rank's inbox; here the
 TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback, so the stores are all
 paid, only the NVLink is not) and, where the fitted kernel runs, the kernel the policy did not
-pick (`tokenweave_triton` or `tokenweave_fitted`). `--breakdown` adds, per point, the Triton
-kernels with each release forced (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs
-fence and store flags after their last tile, or the GEMM only stores tiles and its consumer
-publishes them, which costs the consumer a flag store per rank, timed with the consumer on two
-GPUs), with each tile shape forced (`tokenweave_tiles_<name>`) and cuBLAS over the rows the
-picked tiles cover (`cublas_covered`: the call's rows rounded up to whole row blocks per
-segment, or to whole fitted tiles): whether a shortfall is the tile pick, the padded rows, or
-the kernel itself. `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>` rows
+pick (`tokenweave_triton` or `tokenweave_fitted`; in FP8 per tensor, where the 16-bit pick is
+the ping-pong kernel, its FP8 form: `tokenweave_pingpong`). `--breakdown` adds, per point, the
+Triton kernels with each release forced (`tokenweave_release_gemm` / `_consumer`: the GEMM's
+CTAs fence and store flags after their last tile, or the GEMM only stores tiles and its
+consumer publishes them, which costs the consumer a flag store per rank, timed with the
+consumer on two GPUs), with each tile shape forced (`tokenweave_tiles_<name>`) and cuBLAS over
+the rows the picked tiles cover (`cublas_covered`: the call's rows rounded up to whole row
+blocks per segment, or to whole fitted tiles): whether a shortfall is the tile pick, the padded
+rows, or the kernel itself. `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>` rows
 (bench/cutlass_gemm.py: CUTLASS's warp-specialized sm90 kernels, clusters of one CTA or of two
 sharing operand tiles through TMA multicast), the plot a second row: per cluster shape, the
 best configuration's speed relative to cuBLAS, median over the shards. Replicated layout (what
@@ -26,15 +27,14 @@ back to back on as many inputs (a graph of a single call also times its replay's
 microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), medians per
 call. `--dtypes fp8 fp8_blocks`: e4m3 operands with bf16 rows, scaled per tensor (delayed and
 current scaling) or in TE's blockwise recipe's blocks (1 x 128 of x, 128 x 128 of the weight):
-the communicating GEMM (the Triton kernel's FP8 form, ops/fp8_operands.py) against cuBLAS's FP8
-GEMM through torch._scaled_mm (`cublas` rows: fast accumulation per tensor, as TE's forward GEMMs;
-cuBLAS's block-scaled form for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no `te` rows
-in FP8: te.Linear would add the quantization of x).
-`--passes N` times the same graphs N times (rows carry `pass`): a 10-25 us GEMM's ratio
-moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the median over passes
-and their range. Every communicating GEMM and CUTLASS row is checked against cuBLAS before
-timing. The reduction that consumes the rows needs peers: its timing is part of the 2-GPU
-kernel benchmark."""
+the communicating GEMM (the Triton kernels' FP8 forms, ops/fp8_operands.py) against cuBLAS's
+FP8 GEMM through torch._scaled_mm (`cublas` rows: fast accumulation per tensor, as TE's forward
+GEMMs; cuBLAS's block-scaled form for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no
+`te` rows in FP8: te.Linear would add the quantization of x). `--passes N` times the same
+graphs N times (rows carry `pass`): a 10-25 us GEMM's ratio moves by about 1 % from pass to
+pass (docs/kernel.md), so the plot draws the median over passes and their range. Every
+communicating GEMM and CUTLASS row is checked against cuBLAS before timing. The reduction that
+consumes the rows needs peers: its timing is part of the 2-GPU kernel benchmark."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
     ONE_CONSUMER,
+    PINGPONG,
     RELEASES,
     TILES,
     fitted_tiles,
@@ -132,6 +133,11 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                        fp8=fp8)
         # The kernel the policy did not pick, timed beside the pick.
         other = {}
+        if fp8 and not FP8[dtype] and segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k,
+                                               ctas=sms).tiles == PINGPONG:
+            other = {"tokenweave_pingpong": segments(
+                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
+                tiles=replace(PINGPONG, block_k=FP8_BLOCK_K))}
         if fitted:
             triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
             other = ({"tokenweave_triton": triton} if seg.tiles.fitted else
@@ -142,8 +148,9 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         if breakdown:
             triton = seg if not seg.tiles.fitted else other["tokenweave_triton"]
             forced = {f"tokenweave_release_{r}": replace(triton, release=r) for r in RELEASES}
-            shapes = ({t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in TILES.items()
-                       if tiles in ONE_CONSUMER} if fp8 else TILES)
+            shapes = TILES if not fp8 else {
+                t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in TILES.items()
+                if not FP8[dtype] or tiles in ONE_CONSUMER}
             forced.update({f"tokenweave_tiles_{t}": segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                 for t, tiles in shapes.items()})

@@ -144,13 +144,15 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     fitted call or FP8 operands first (`check_fitted_gemm`, `Fp8Operands.check`; off where
     the caller checked them already).
     fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the one-consumer Triton
-    kernel with FP8 tiles, ops/segments.tiles_for(fp8=True)); the tiles land in the inbox's
-    dtype."""
+    kernel with FP8 tiles, ops/segments.tiles_for(fp8=True), or, scaled per tensor, the
+    ping-pong kernel with FP8 K blocks where a caller forces its tiles); the tiles land in the
+    inbox's dtype."""
     if fp8 is not None:
-        if seg.tiles.fitted or seg.tiles.consumers != 1 or seg.tiles.block_k != FP8_BLOCK_K:
+        if seg.tiles.fitted or seg.tiles.block_k != FP8_BLOCK_K or (
+                fp8.blocks and seg.tiles.consumers != 1):
             raise TokenWeaveInputError(
-                f"FP8 operands take the one-consumer Triton kernel with {FP8_BLOCK_K}-deep K "
-                f"blocks (segments(..., fp8=True)), got {seg.tiles}")
+                f"FP8 operands take the Triton kernels with {FP8_BLOCK_K}-deep K blocks, block "
+                f"scales the one-consumer one (segments(..., fp8=True)), got {seg.tiles}")
         if validate:
             fp8.check(x, weight)
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
@@ -172,7 +174,8 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 seg.first, seg.step, seg.rows, seg.total, seg.row0, inbox.slot_rows, num_m,
                 start, weight.shape[0], weight.shape[1], grid)
     if t.consumers == 2:
-        launch_pingpong(x, weight, bias, grid, protocol, t, release)
+        launch_pingpong(x, weight, bias, grid, protocol, t, release, inbox.dtype,
+                        None if fp8 is None else (fp8.x_scale_inv, fp8.w_scale_inv))
         return
     a_desc = TensorDescriptor.from_tensor(x, [t.block_rows, t.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [t.block_cols, t.block_k])

@@ -63,12 +63,16 @@ class _Settings:
     consumer: gl.constexpr
     has_bias: gl.constexpr
     group_rows: gl.constexpr
+    out_bf16: gl.constexpr
+    scaled: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, consumer, has_bias, group_rows):
+    def __init__(self, consumer, has_bias, group_rows, out_bf16, scaled):
         self.consumer = gl.constexpr(consumer)
         self.has_bias = gl.constexpr(has_bias)
         self.group_rows = gl.constexpr(group_rows)
+        self.out_bf16 = gl.constexpr(out_bf16)
+        self.scaled = gl.constexpr(scaled)
 
 
 @gluon.constexpr_function
@@ -101,18 +105,21 @@ def _producer(cfg, a_desc, b_desc, a_bufs, b_bufs, ready, empty, first, step, st
 
 
 @gluon.jit
-def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3, r4, r5, r6,
-              r7, slots_off, rank, slot_rows, row0, seg_rows, total, start, blocks, num_m,
-              per_group, tiles, num_ctas, k_tiles, N):
+def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, xs_ptr, ws_ptr, r0, r1, r2, r3,
+              r4, r5, r6, r7, slots_off, rank, slot_rows, row0, seg_rows, total, start, blocks,
+              num_m, per_group, tiles, num_ctas, k_tiles, N):
     """Tiles cfg.consumer, cfg.consumer + 2, ... of this CTA: MMAs in turn with the other
-    consumer, then the epilogue into the owner's inbox slot `rank`."""
+    consumer, then the epilogue into the owner's inbox slot `rank` (cfg.scaled: e4m3
+    operands, the accumulator times their two per-tensor scales first)."""
     c: gl.constexpr = cfg.consumer
     stages: gl.constexpr = a_bufs.shape[0]
     bm: gl.constexpr = a_bufs.shape[1]
     bn: gl.constexpr = b_bufs.shape[1]
-    out_dtype: gl.constexpr = a_bufs.dtype
+    out_dtype: gl.constexpr = gl.bfloat16 if cfg.out_bf16 else gl.float16
+    # An MMA's depth is 32 bytes of K: 16 elements of 16 bits, 32 of e4m3.
+    mma_k: gl.constexpr = 32 if cfg.scaled else 16
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, bn, 16])
+                                                  instr_shape=[16, bn, mma_k])
     row_layout: gl.constexpr = _row_layout(bn)
     rows = gl.arange(0, bm, layout=gl.SliceLayout(1, row_layout))
     cols = gl.arange(0, bn, layout=gl.SliceLayout(0, row_layout))
@@ -136,6 +143,8 @@ def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((pos + stages - 1) % stages))
         local += 2
+        if cfg.scaled:
+            acc = acc * (gl.load(xs_ptr) * gl.load(ws_ptr))
         if cfg.has_bias:
             bias = gl.load(bias_ptr + pn * bn + acc_cols, mask=pn * bn + acc_cols < N)
             acc = acc + bias.to(gl.float32)[None, :]
@@ -148,11 +157,15 @@ def _consumer(cfg, a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3,
 
 @gluon.jit(do_not_specialize=PER_CALL)
 def _pingpong_kernel(
-    a_desc, b_desc, bias_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7, slots_off, tags_off,
+    a_desc, b_desc, bias_ptr, xs_ptr, ws_ptr, control_ptr, r0, r1, r2, r3, r4, r5, r6, r7,
+    slots_off, tags_off,
     rank, set_index, call_tag, set_words, flag_blocks, flag_tiles,
     first, step, seg_rows, total, row0, slot_rows, num_m, start, N, K, num_ctas,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, RELEASE: gl.constexpr,
+    HAS_BIAS: gl.constexpr, OUT_BF16: gl.constexpr, SCALED: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, RELEASE: gl.constexpr,
 ):
+    """SCALED: e4m3 operands scaled per tensor (xs_ptr, ws_ptr: their scale_inv [1]), else
+    bf16/fp16 ones (the scale pointers unused); the rows land in bf16 (OUT_BF16) or fp16."""
     bm: gl.constexpr = a_desc.block_type.shape[0]
     bk: gl.constexpr = a_desc.block_type.shape[1]
     bn: gl.constexpr = b_desc.block_type.shape[0]
@@ -171,15 +184,15 @@ def _pingpong_kernel(
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    consumer_args = (a_bufs, b_bufs, ready, empty, turn, bias_ptr, r0, r1, r2, r3, r4, r5, r6,
-                     r7, slots_off, rank, slot_rows, row0, seg_rows, total, start, blocks, num_m,
-                     per_group, tiles, num_ctas, k_tiles, N)
+    consumer_args = (a_bufs, b_bufs, ready, empty, turn, bias_ptr, xs_ptr, ws_ptr, r0, r1, r2,
+                     r3, r4, r5, r6, r7, slots_off, rank, slot_rows, row0, seg_rows, total, start,
+                     blocks, num_m, per_group, tiles, num_ctas, k_tiles, N)
     gl.warp_specialize([
-        (_consumer, (_Settings(0, HAS_BIAS, GROUP_M),) + consumer_args),
-        (_consumer, (_Settings(1, HAS_BIAS, GROUP_M),) + consumer_args),
-        (_producer, (_Settings(0, HAS_BIAS, GROUP_M), a_desc, b_desc, a_bufs, b_bufs, ready,
-                     empty, first, step, start, blocks, num_m, per_group, tiles, num_ctas,
-                     k_tiles)),
+        (_consumer, (_Settings(0, HAS_BIAS, GROUP_M, OUT_BF16, SCALED),) + consumer_args),
+        (_consumer, (_Settings(1, HAS_BIAS, GROUP_M, OUT_BF16, SCALED),) + consumer_args),
+        (_producer, (_Settings(0, HAS_BIAS, GROUP_M, OUT_BF16, SCALED), a_desc, b_desc, a_bufs,
+                     b_bufs, ready, empty, first, step, start, blocks, num_m, per_group, tiles,
+                     num_ctas, k_tiles)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
     # Publish once per CTA, as owner_gemm.py's kernel: the partitions' join is the barrier
     # that orders every consumer's stores before warp 0's fence.
@@ -190,22 +203,30 @@ def _pingpong_kernel(
                       flag_tiles, num_ctas)
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+              torch.float8_e4m3fn: gl.float8e4nv}
+
+
 @functools.cache
 def _smem_layout(rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     """An operand tile's shared-memory layout, built once per shape and dtype rather than on
     every call (host time of eager forwards, docs/kernel.md)."""
-    return gl.NVMMASharedLayout.get_default_for(
-        [rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: int,
-           protocol: tuple, tiles: GemmTiles, release: bool) -> None:
+           protocol: tuple, tiles: GemmTiles, release: bool, out_dtype: torch.dtype,
+           scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Queue the kernel: `protocol` holds owner_gemm.py's kernel arguments from control_ptr on
-    (the same for both kernels); `tiles` a consumer's tile and the pipeline (PINGPONG);
-    release: owner_gemm's."""
+    (the same for both kernels); `tiles` a consumer's tile and the pipeline (PINGPONG, or its
+    FP8 form); release: owner_gemm's; out_dtype: the inbox's; scales: e4m3 operands' per-tensor
+    scale_inv (x's, the weight's)."""
     bm, bn, bk = tiles.block_rows, tiles.block_cols, tiles.block_k
     a_desc = TensorDescriptor.from_tensor(x, [bm, bk], _smem_layout(bm, bk, x.dtype))
     b_desc = TensorDescriptor.from_tensor(weight, [bn, bk], _smem_layout(bn, bk, x.dtype))
-    _pingpong_kernel[(grid,)](a_desc, b_desc, bias if bias is not None else weight, *protocol,
-                              HAS_BIAS=bias is not None, GROUP_M=tiles.group_rows,
-                              STAGES=tiles.stages, RELEASE=release, num_warps=tiles.warps)
+    xs, ws = scales if scales is not None else (weight, weight)
+    _pingpong_kernel[(grid,)](a_desc, b_desc, bias if bias is not None else weight, xs, ws,
+                              *protocol, HAS_BIAS=bias is not None,
+                              OUT_BF16=out_dtype == torch.bfloat16, SCALED=scales is not None,
+                              GROUP_M=tiles.group_rows, STAGES=tiles.stages, RELEASE=release,
+                              num_warps=tiles.warps)

@@ -446,11 +446,11 @@ def test_fitted_gemm_launcher_refuses_bad_input():
 FP8_ACC = 2.0 ** -9
 
 
-def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on,
-              seed) -> tuple[str | None, float]:
-    """One FP8 call of the Triton kernel (tiles_for(fp8=True)) into a loopback inbox, as
-    rank `rank`: None if every owner's slot holds its rows of the dequantized fp32 product
-    (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
+def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
+              tiles=None) -> tuple[str | None, float]:
+    """One FP8 call of the Triton kernels (tiles_for(fp8=True), or `tiles`) into a loopback
+    inbox, as rank `rank`: None if every owner's slot holds its rows of the dequantized fp32
+    product (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
     magnitudes, else what is wrong; and the largest error relative to those magnitudes."""
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
     from megatron_tokenweave.ops.fp8_operands import Fp8Operands
@@ -463,7 +463,8 @@ def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on,
     sp = layout is Layout.SEQUENCE_PARALLEL
     stride = rows + 5
     seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, first=3,
-                   chunk_stride=stride if sp else 0, chunk_row0=11 if sp else 0, fp8=True)
+                   chunk_stride=stride if sp else 0, chunk_row0=11 if sp else 0, fp8=True,
+                   tiles=tiles)
     x = _gen(seed, (3 + (world * stride if sp else rows) + 2, k), torch.float32, dev)
     x = x.to(FP8_DTYPE)
     w = _gen(seed + 1, (n, k), torch.float32, dev).to(FP8_DTYPE)
@@ -492,45 +493,58 @@ def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on,
 
 
 def test_fp8_gemm_matches_dequantized_reference():
-    """The Triton kernel's FP8 form (per-tensor and blockwise scales, ops/fp8_operands.py) lands
+    """The Triton kernels' FP8 forms (per-tensor and blockwise scales, ops/fp8_operands.py) land
     every owner's rows of the dequantized product, rounded once to bf16 or fp16 (the inbox's
     dtype), every other row still poisoned: replicated at TP 2 and 8, sequence parallel at
     TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model families (K 1792-3584,
     out-features 4096-8192) and one with out-features not a multiple of 128, bias or none,
-    every FP8 tile shape among the calls (asserted)."""
+    every FP8 tile shape among the calls (asserted), and per tensor the ping-pong kernel's
+    FP8 form forced on every call."""
     _skip_without_kernels()
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89 or newer")
-    from megatron_tokenweave.ops.segments import TILES, segments
+    from dataclasses import replace
+
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, PINGPONG, TILES, segments
 
     dev = torch.device("cuda", 0)
-    failures, cases, seed, seen, worst = [], 0, 100, set(), {False: 0.0, True: 0.0}
+    failures, cases, seed, seen = [], 0, 100, set()
+    worst = {"tensor": 0.0, "pingpong": 0.0, "blocks": 0.0}
+    pingpong = replace(PINGPONG, block_k=FP8_BLOCK_K)
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256)):
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
                 for blocks in (False, True):
                     seed += 5
-                    seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, fp8=True)
-                    seen.add(next(t for t, v in TILES.items()
-                                  if v.block_rows == seg.tiles.block_rows
-                                  and v.block_cols == seg.tiles.block_cols))
-                    bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
-                                         seed % 2 == 0, seed)
-                    worst[blocks] = max(worst[blocks], err)
-                    cases += 1
-                    if bad:
-                        failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
-                                        f"rows={rows} blocks={blocks}: {bad}")
+                    picked = segments(layout, world, rows, hidden=n, k=k, ctas=132,
+                                      fp8=True).tiles
+                    for tiles in (picked, None if blocks else pingpong):
+                        if tiles is None:
+                            continue
+                        seed += 1
+                        seen.add(next(t for t, v in TILES.items()
+                                      if (v.block_rows, v.block_cols, v.consumers)
+                                      == (tiles.block_rows, tiles.block_cols, tiles.consumers)))
+                        bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
+                                             seed % 2 == 0, seed, tiles)
+                        name = "pingpong" if tiles.consumers == 2 else "blocks" if blocks else \
+                            "tensor"
+                        worst[name] = max(worst[name], err)
+                        cases += 1
+                        if bad:
+                            failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
+                                            f"rows={rows} {name}: {bad}")
     print(f"FP8 GEMM: {cases - len(failures)} of {cases} cases within bounds, tiles {seen}; "
-          f"largest |error| / sum of |products|: per tensor {worst[False]:.2e}, blocks "
-          f"{worst[True]:.2e}")
+          "largest |error| / sum of |products|: "
+          + ", ".join(f"{name} {err:.2e}" for name, err in worst.items()))
     assert not failures, "\n".join(failures[:12])
-    assert seen >= {"large", "wide", "small"}, seen
+    assert seen >= {"large", "wide", "small", "pingpong"}, seen
 
 
 def test_fp8_gemm_refuses_bad_input():
-    """FP8 calls with 16-bit or fitted tiles, operands not e4m3, scales of the wrong shape or
-    dtype, or blockwise K not whole blocks: TokenWeaveInputError, nothing launched."""
+    """FP8 calls with 16-bit tiles, block scales on the ping-pong kernel, operands not e4m3,
+    scales of the wrong shape or dtype, or blockwise K not whole blocks: TokenWeaveInputError,
+    nothing launched."""
     _skip_without_kernels()
     from dataclasses import replace
 
@@ -538,12 +552,14 @@ def test_fp8_gemm_refuses_bad_input():
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
     from megatron_tokenweave.ops.fp8_operands import Fp8Operands
     from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
-    from megatron_tokenweave.ops.segments import segments
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, PINGPONG, segments
     from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
     dev = torch.device("cuda", 0)
     inbox = GemmInbox.loopback(2, 1024, 512, torch.bfloat16, dev)
     seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8=True)
+    pingpong = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
+                        tiles=replace(PINGPONG, block_k=FP8_BLOCK_K))
     x = torch.randn(300, 256, device=dev).to(FP8_DTYPE)
     w = torch.randn(512, 256, device=dev).to(FP8_DTYPE)
     one = torch.ones(1, device=dev)
@@ -551,6 +567,8 @@ def test_fp8_gemm_refuses_bad_input():
     bad = [(x, w, segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132),
             Fp8Operands(one, one), "128-deep K blocks"),
            (x.to(torch.bfloat16), w, seg, Fp8Operands(one, one), "float8_e4m3fn"),
+           (x, w, pingpong, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
+            "one-consumer"),
            (x, w, seg, Fp8Operands(one.double(), one), "float32"),
            (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),
            (x, w, seg, replace(blocks, x_scale_inv=torch.ones(2, 301, device=dev)), "x scale"),
