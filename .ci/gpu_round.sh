@@ -57,7 +57,7 @@
 #          carried), bf16 (~6 min); gemm_sweep_fp16 the same in fp16
 #   gemm_fp8  the communicating GEMM's FP8 forms: their GPU tests (loopback inbox), then bench
 #          gemm_fused's default sweep with e4m3 operands scaled per tensor against cuBLAS's FP8
-#          GEMM, the ping-pong kernel's FP8 form beside the pick where the 16-bit pick is it
+#          GEMM, the one-consumer tiles beside the pick where the pick is the ping-pong kernel
 #          (~6 min); gemm_fp8_blocks the same sweep with TE's blockwise scales
 #   gemm_cutlass  the communicating GEMM beside CUTLASS's sm90 kernels and cluster shapes (bench
 #          gemm_fused --cutlass; needs `stage.sh cutlass` carried; builds the reference, minutes)

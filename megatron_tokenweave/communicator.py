@@ -410,7 +410,7 @@ class Communicator:
         allreduce_rmsnorm(comm="gemm") with the same segments, set and `call`). ctas: the
         persistent CTAs the GEMM may take (the kernel backend's SMs left beside the other
         half's op). fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the
-        segments made with fp8=True); the rows land in the communicator's dtype."""
+        segments made with fp8=fp8.scaling); the rows land in the communicator's dtype."""
         if validate:
             self._check_gemm(x, weight, bias, segments, set_index, fp8)
         if self.backend == "kernel":

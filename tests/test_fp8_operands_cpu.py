@@ -9,6 +9,7 @@ op over the dequantized partial sums.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
+    FP8_SCALINGS,
     LARGE,
     SMALL,
     WIDE,
@@ -89,22 +91,36 @@ def test_checks_refuse_what_the_kernel_cannot_take(blocks):
 
 @pytest.mark.parametrize("layout", [Layout.REPLICATED, Layout.SEQUENCE_PARALLEL])
 @pytest.mark.parametrize("world", [2, 8])
-def test_fp8_calls_take_one_consumer_tiles_with_128_deep_k(layout, world):
-    """The fastest of the one-consumer tiles by estimated time, K blocks of FP8_BLOCK_K, never
-    the ping-pong or fitted kernels (even where the 16-bit pick is one of them)."""
-    picked = set()
+def test_fp8_calls_take_triton_tiles_with_128_deep_k(layout, world):
+    """Per-tensor scales: the 16-bit Triton pick (ping-pong where it would take the call); block
+    scales: the fastest one-consumer tiles by estimated time; both with K blocks of
+    FP8_BLOCK_K, never the fitted kernel (even where the 16-bit pick is it)."""
+    picked = {"tensor": set(), "blocks": set()}
     for rows, (hidden, k, ctas) in itertools.product(
             (1, 7, 129, 777, 1031, 4096, 8192), ((4096, 1792, 132), (8192, 3584, 132),
                                                  (5120, 3584, 8))):
-        t = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, fp8=True)
-        assert t.block_k == FP8_BLOCK_K and t.consumers == 1 and not t.fitted
-        best = min(estimated_time(c, layout, world, rows, hidden, ctas)
-                   for c in (LARGE, WIDE, SMALL))
-        assert estimated_time(t, layout, world, rows, hidden, ctas) == best
-        picked.add((t.block_rows, t.block_cols))
-        seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas, fitted=True, fp8=True)
-        assert seg.tiles == t
-    assert len(picked) >= 2, picked
+        triton = tiles_for(layout, world, rows, hidden, k, ctas)
+        for scaling in FP8_SCALINGS:
+            t = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, fp8=scaling)
+            assert t.block_k == FP8_BLOCK_K and not t.fitted
+            if scaling == "tensor":
+                assert t == replace(triton, block_k=FP8_BLOCK_K)
+            else:
+                best = min(estimated_time(c, layout, world, rows, hidden, ctas)
+                           for c in (LARGE, WIDE, SMALL))
+                assert t.consumers == 1
+                assert estimated_time(t, layout, world, rows, hidden, ctas) == best
+            picked[scaling].add((t.block_rows, t.block_cols, t.consumers))
+            seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas, fitted=True,
+                           fp8=scaling)
+            assert seg.tiles == t
+    assert len(picked["blocks"]) >= 2, picked
+    assert any(c == 2 for *_, c in picked["tensor"]), picked
+
+
+def test_fp8_scaling_must_be_named():
+    with pytest.raises(TokenWeaveInputError, match="fp8 must be one of"):
+        tiles_for(Layout.REPLICATED, 2, 64, 4096, 1024, 132, fp8="rows")
 
 
 def _fp8_emulation_worker(rank: int, world: int) -> list[tuple]:
@@ -130,7 +146,7 @@ def _fp8_emulation_worker(rank: int, world: int) -> list[tuple]:
         want_res, want_normed = torch.empty(n, hidden), torch.empty(chunks, n, hidden)
         fused_allreduce_rmsnorm_reference(partial, residual, norm, EPS, want_res, want_normed,
                                           layout, group)
-        seg = segments(layout, world, n, hidden=hidden, k=k, ctas=1, fp8=True,
+        seg = segments(layout, world, n, hidden=hidden, k=k, ctas=1, fp8=ops.scaling,
                        chunk_stride=n if sp else 0)
         got_res = torch.full((n, hidden), float("nan"))
         normed = comm.normed[:chunks * n].view(chunks, n, hidden)
@@ -158,7 +174,7 @@ def test_row_gemm_refuses_bad_fp8_operands(single_rank_group):
                         "reference")
     comm.prepare_gemm()
     x, w, ops = _operands(8, 128, 128, True, 5)
-    seg = segments(Layout.REPLICATED, 1, 8, hidden=128, k=128, ctas=1, fp8=True)
+    seg = segments(Layout.REPLICATED, 1, 8, hidden=128, k=128, ctas=1, fp8="blocks")
     with pytest.raises(TokenWeaveInputError, match="x scale_inv"):
         comm.row_gemm(x, w, None, seg, 0, ctas=1,
                       fp8=Fp8Operands(torch.ones(1, 4), ops.w_scale_inv, True))

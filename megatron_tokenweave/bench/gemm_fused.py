@@ -10,31 +10,32 @@ kernels/owner_gemm*.py, or on sm_90 the fitted CUDA kernel, csrc/include/tokenwe
 fit_gemm.cuh; its epilogue stores every row another rank owns into that rank's inbox; here the
 TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback, so the stores are all
 paid, only the NVLink is not) and, where the fitted kernel runs, the kernel the policy did not
-pick (`tokenweave_triton` or `tokenweave_fitted`; in FP8 per tensor, where the 16-bit pick is
-the ping-pong kernel, its FP8 form: `tokenweave_pingpong`). `--breakdown` adds, per point, the
-Triton kernels with each release forced (`tokenweave_release_gemm` / `_consumer`: the GEMM's
-CTAs fence and store flags after their last tile, or the GEMM only stores tiles and its
-consumer publishes them, which costs the consumer a flag store per rank, timed with the
-consumer on two GPUs), with each tile shape forced (`tokenweave_tiles_<name>`) and cuBLAS over
-the rows the picked tiles cover (`cublas_covered`: the call's rows rounded up to whole row
-blocks per segment, or to whole fitted tiles): whether a shortfall is the tile pick, the padded
-rows, or the kernel itself. `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>` rows
-(bench/cutlass_gemm.py: CUTLASS's warp-specialized sm90 kernels, clusters of one CTA or of two
-sharing operand tiles through TMA multicast), the plot a second row: per cluster shape, the
-best configuration's speed relative to cuBLAS, median over the shards. Replicated layout (what
-Megatron's engines run), all SMs (the unsplit case). Each impl is one CUDA graph of CALLS calls
-back to back on as many inputs (a graph of a single call also times its replay's launch,
-microseconds beside GEMMs of 10-30 us); replays interleaved (bench/timing.py), medians per
-call. `--dtypes fp8 fp8_blocks`: e4m3 operands with bf16 rows, scaled per tensor (delayed and
-current scaling) or in TE's blockwise recipe's blocks (1 x 128 of x, 128 x 128 of the weight):
-the communicating GEMM (the Triton kernels' FP8 forms, ops/fp8_operands.py) against cuBLAS's
-FP8 GEMM through torch._scaled_mm (`cublas` rows: fast accumulation per tensor, as TE's forward
-GEMMs; cuBLAS's block-scaled form for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no
-`te` rows in FP8: te.Linear would add the quantization of x). `--passes N` times the same
-graphs N times (rows carry `pass`): a 10-25 us GEMM's ratio moves by about 1 % from pass to
-pass (docs/kernel.md), so the plot draws the median over passes and their range. Every
-communicating GEMM and CUTLASS row is checked against cuBLAS before timing. The reduction that
-consumes the rows needs peers: its timing is part of the 2-GPU kernel benchmark."""
+pick (`tokenweave_triton` or `tokenweave_fitted`; in FP8 per tensor, where the pick is the
+ping-pong kernel, the one-consumer kernel's best tiles: `tokenweave_one_consumer`).
+`--breakdown` adds, per point, the Triton kernels with each release forced
+(`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
+last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
+consumer a flag store per rank, timed with the consumer on two GPUs), with each tile shape
+forced (`tokenweave_tiles_<name>`) and cuBLAS over the rows the picked tiles cover
+(`cublas_covered`: the call's rows rounded up to whole row blocks per segment, or to whole
+fitted tiles): whether a shortfall is the tile pick, the padded rows, or the kernel itself.
+`--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>` rows (bench/cutlass_gemm.py: CUTLASS's
+warp-specialized sm90 kernels, clusters of one CTA or of two sharing operand tiles through TMA
+multicast), the plot a second row: per cluster shape, the best configuration's speed relative
+to cuBLAS, median over the shards. Replicated layout (what Megatron's engines run), all SMs
+(the unsplit case). Each impl is one CUDA graph of CALLS calls back to back on as many inputs
+(a graph of a single call also times its replay's launch, microseconds beside GEMMs of 10-30
+us); replays interleaved (bench/timing.py), medians per call. `--dtypes fp8 fp8_blocks`: e4m3
+operands with bf16 rows, scaled per tensor (delayed and current scaling) or in TE's blockwise
+recipe's blocks (1 x 128 of x, 128 x 128 of the weight): the communicating GEMM (the Triton
+kernels' FP8 forms, ops/fp8_operands.py) against cuBLAS's FP8 GEMM through torch._scaled_mm
+(`cublas` rows: fast accumulation per tensor, as TE's forward GEMMs; cuBLAS's block-scaled form
+for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no `te` rows in FP8: te.Linear would add
+the quantization of x). `--passes N` times the same graphs N times (rows carry `pass`): a 10-25
+us GEMM's ratio moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the
+median over passes and their range. Every communicating GEMM and CUTLASS row is checked against
+cuBLAS before timing. The reduction that consumes the rows needs peers: its timing is part of
+the 2-GPU kernel benchmark."""
 
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
     ONE_CONSUMER,
-    PINGPONG,
     RELEASES,
     TILES,
     fitted_tiles,
@@ -69,7 +69,7 @@ CALLS = 10  # calls per timed graph
 SWEEP = [512, 513, 641, 777, 1000, 1024, 1279, 1531, 2047, 2048, 2500, 3001, 3583, 4096, 4099,
          5003, 6143, 8191, 8192, 10007, 12289, 16383, 16384]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-FP8 = {"fp8": False, "fp8_blocks": True}  # e4m3 operands (bf16 rows): scaled in blocks or not
+FP8 = {"fp8": "tensor", "fp8_blocks": "blocks"}  # e4m3 operands (bf16 rows): their scaling
 # Every dense family's shapes ("tiny" is a test shape; Mixtral's experts are Llama-3-8B's shards)
 DENSE = [m for m, s in SHAPES.items() if not s.experts and s.hidden >= 1024]
 
@@ -120,11 +120,11 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
 
     dev = torch.device("cuda")
-    fp8 = dtype in FP8
+    fp8 = FP8.get(dtype)  # None, or the scaling (ops/segments.FP8_SCALINGS)
     torch_dtype = torch.bfloat16 if fp8 else DTYPES[dtype]
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    fitted = fitted_gemm_available(dev) and not fp8
+    fitted = fitted_gemm_available(dev) and fp8 is None
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
     for name, key in GEMMS.items():
@@ -133,11 +133,9 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                        fp8=fp8)
         # The kernel the policy did not pick, timed beside the pick.
         other = {}
-        if fp8 and not FP8[dtype] and segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k,
-                                               ctas=sms).tiles == PINGPONG:
-            other = {"tokenweave_pingpong": segments(
-                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
-                tiles=replace(PINGPONG, block_k=FP8_BLOCK_K))}
+        if fp8 == "tensor" and seg.tiles.consumers == 2:
+            other = {"tokenweave_one_consumer": segments(
+                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fp8="blocks")}
         if fitted:
             triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
             other = ({"tokenweave_triton": triton} if seg.tiles.fitted else
@@ -148,16 +146,16 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         if breakdown:
             triton = seg if not seg.tiles.fitted else other["tokenweave_triton"]
             forced = {f"tokenweave_release_{r}": replace(triton, release=r) for r in RELEASES}
-            shapes = TILES if not fp8 else {
+            shapes = TILES if fp8 is None else {
                 t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in TILES.items()
-                if not FP8[dtype] or tiles in ONE_CONSUMER}
+                if fp8 == "tensor" or tiles in ONE_CONSUMER}
             forced.update({f"tokenweave_tiles_{t}": segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                 for t, tiles in shapes.items()})
         covered = _covered(seg, tp)
         out = torch.empty(max(tokens, covered), n, device=dev, dtype=torch_dtype)
-        if fp8:
-            xs, w, ops = _fp8_inputs(max(tokens, covered), tokens, n, k, FP8[dtype], dev)
+        if fp8 is not None:
+            xs, w, ops = _fp8_inputs(max(tokens, covered), tokens, n, k, fp8 == "blocks", dev)
             impls = {"cublas": _scaled_mm(w, ops, out[:tokens], tokens)}
         else:
             xs = [torch.randn(max(tokens, covered), k, device=dev, dtype=torch_dtype)
@@ -169,10 +167,10 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         impls.update({impl: lambda x, w=w, s=s, ops=ops: owner_gemm(
             x[:tokens], w, None, inbox, s, 0, sms, 1, fp8=ops)
                       for impl, s in {"tokenweave": seg, **other, **forced}.items()})
-        if breakdown and not fp8:
+        if breakdown and fp8 is None:
             impls["cublas_covered"] = lambda x, w=w, o=out[:covered]: torch.matmul(
                 x[:o.shape[0]], w.t(), out=o)
-        te = None if fp8 else _te_linear(k, n, w)
+        te = None if fp8 is not None else _te_linear(k, n, w)
         if te is not None:
             impls["te"] = lambda x, te=te: te(x[:tokens])
         if cutlass:

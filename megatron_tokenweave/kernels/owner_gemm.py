@@ -143,16 +143,15 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the consumer after this kernel ("consumer": no fence, no flags here). validate: check a
     fitted call or FP8 operands first (`check_fitted_gemm`, `Fp8Operands.check`; off where
     the caller checked them already).
-    fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the one-consumer Triton
-    kernel with FP8 tiles, ops/segments.tiles_for(fp8=True), or, scaled per tensor, the
-    ping-pong kernel with FP8 K blocks where a caller forces its tiles); the tiles land in the
-    inbox's dtype."""
+    fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the Triton kernels with
+    FP8 tiles, ops/segments.tiles_for(fp8=fp8.scaling)); the tiles land in the inbox's dtype."""
     if fp8 is not None:
         if seg.tiles.fitted or seg.tiles.block_k != FP8_BLOCK_K or (
                 fp8.blocks and seg.tiles.consumers != 1):
             raise TokenWeaveInputError(
                 f"FP8 operands take the Triton kernels with {FP8_BLOCK_K}-deep K blocks, block "
-                f"scales the one-consumer one (segments(..., fp8=True)), got {seg.tiles}")
+                f"scales the one-consumer one (segments(..., fp8={fp8.scaling!r})), got "
+                f"{seg.tiles}")
         if validate:
             fp8.check(x, weight)
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)

@@ -32,6 +32,11 @@ class Fp8Operands:
     w_scale_inv: torch.Tensor
     blocks: bool = False
 
+    @property
+    def scaling(self) -> str:
+        """The scales' form, as the tile pick takes it (ops/segments.FP8_SCALINGS)."""
+        return "blocks" if self.blocks else "tensor"
+
     def shapes(self, rows: int, n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The scales' shapes for x [rows, K] and weight [N, K]."""
         if not self.blocks:

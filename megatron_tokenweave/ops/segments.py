@@ -59,9 +59,14 @@ SMALL = GemmTiles(block_rows=64, block_cols=128, block_k=64, stages=4, warps=4, 
 PINGPONG = GemmTiles(block_rows=128, block_cols=128, block_k=64, stages=6, warps=4, consumers=2)
 TILES = {"large": LARGE, "wide": WIDE, "small": SMALL, "pingpong": PINGPONG}  # by name
 ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
-# FP8 (e4m3) operands: the one-consumer tiles with 128-deep K blocks, the same bytes per stage
-# as the 16-bit tiles' 64 and the blockwise recipe's scale block (ops/fp8_operands.py).
+# FP8 (e4m3) operands: the Triton tiles with 128-deep K blocks, the same bytes per stage as the
+# 16-bit tiles' 64 and the blockwise recipe's scale block (ops/fp8_operands.py). Scaled per
+# tensor ("tensor") the 16-bit pick, the ping-pong kernel included (measured faster than the
+# one-consumer tiles at 211 of the 250 Llama-shard points where the 16-bit rules pick it, one
+# H200, docs/kernel.md "FP8 operands"); in blocks ("blocks") the one-consumer tiles only (each K
+# block's product is scaled before it is added).
 FP8_BLOCK_K = 128
+FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
 # (128 x 128 tiles / CTAs) at least PINGPONG_MIN_TILES, or PINGPONG_MIN_TILES_SHORT_K for
 # in-features up to PINGPONG_MAX_K (short K loops, where the one-consumer kernels' epilogue is
@@ -155,7 +160,7 @@ def wave_efficiency(t: GemmTiles, layout: Layout, world: int, rows: int, hidden:
 
 
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
-              ctas: int, fitted: bool = False, fp8: bool = False) -> GemmTiles:
+              ctas: int, fitted: bool = False, fp8: str | None = None) -> GemmTiles:
     """The tiles of a call over k in-features: the ping-pong kernel's where it was measured
     faster (enough tiles per CTA, fewer for short K; in WIDE's place for long K) and its waves
     take no longer than the best one-consumer tiles' (`estimated_time`), else those: large
@@ -165,11 +170,15 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two").
     fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
     at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW.
-    fp8: e4m3 operands, which only the one-consumer Triton kernel takes: the fastest of its
-    tiles by `estimated_time`, with FP8_BLOCK_K-deep K blocks."""
-    if fp8:
-        one = min(ONE_CONSUMER,
-                  key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
+    fp8: e4m3 operands scaled as FP8_SCALINGS names, which the fitted kernel does not take:
+    per tensor the Triton pick by the same rules, in blocks the fastest one-consumer tiles by
+    `estimated_time`; with FP8_BLOCK_K-deep K blocks."""
+    if fp8 is not None:
+        if fp8 not in FP8_SCALINGS:
+            raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
+        one = (_triton_tiles(layout, world, rows, hidden, k, ctas) if fp8 == "tensor" else
+               min(ONE_CONSUMER,
+                   key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas)))
         return replace(one, block_k=FP8_BLOCK_K)
     triton = _triton_tiles(layout, world, rows, hidden, k, ctas)
     if (fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
@@ -269,7 +278,8 @@ def _round_up(n: int, m: int) -> int:
 def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas: int,
              first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
              first_set_rows: int = 0, tiles: GemmTiles | None = None,
-             release: str | None = None, fitted: bool = False, fp8: bool = False) -> Segments:
+             release: str | None = None, fitted: bool = False,
+             fp8: str | None = None) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
     rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
     CTAs (which pick the tiles: `tiles_for`).
@@ -284,7 +294,7 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
         `release_for`'s pick (benchmarks comparing them, tests reaching both).
     fitted: the fitted kernel may take the call (`tiles_for`) unless the GEMM's release is
         forced; its rows always have the consumer's release.
-    fp8: the GEMM's operands are e4m3 (`tiles_for`).
+    fp8: the GEMM's operands are e4m3, scaled as FP8_SCALINGS names (`tiles_for`).
     """
     if release is not None and release not in RELEASES:
         raise TokenWeaveInputError(f"release must be one of {RELEASES}, got {release!r}")
@@ -311,7 +321,7 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
                   ctas: int, first: int = 0, chunk_stride: int = 0,
                   tiles: GemmTiles | None = None, release: str | None = None,
-                  fitted: bool = False, fp8: bool = False) -> Segments:
+                  fitted: bool = False, fp8: str | None = None) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
     `chunk_stride` rows apart (`segments` says how, and what `tiles`, `release`, `fitted` and

@@ -448,7 +448,7 @@ FP8_ACC = 2.0 ** -9
 
 def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
               tiles=None) -> tuple[str | None, float]:
-    """One FP8 call of the Triton kernels (tiles_for(fp8=True), or `tiles`) into a loopback
+    """One FP8 call of the Triton kernels (tiles_for(fp8=...), or `tiles`) into a loopback
     inbox, as rank `rank`: None if every owner's slot holds its rows of the dequantized fp32
     product (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
     magnitudes, else what is wrong; and the largest error relative to those magnitudes."""
@@ -463,8 +463,8 @@ def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
     sp = layout is Layout.SEQUENCE_PARALLEL
     stride = rows + 5
     seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, first=3,
-                   chunk_stride=stride if sp else 0, chunk_row0=11 if sp else 0, fp8=True,
-                   tiles=tiles)
+                   chunk_stride=stride if sp else 0, chunk_row0=11 if sp else 0,
+                   fp8="blocks" if blocks else "tensor", tiles=tiles)
     x = _gen(seed, (3 + (world * stride if sp else rows) + 2, k), torch.float32, dev)
     x = x.to(FP8_DTYPE)
     w = _gen(seed + 1, (n, k), torch.float32, dev).to(FP8_DTYPE)
@@ -498,8 +498,8 @@ def test_fp8_gemm_matches_dequantized_reference():
     dtype), every other row still poisoned: replicated at TP 2 and 8, sequence parallel at
     TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model families (K 1792-3584,
     out-features 4096-8192) and one with out-features not a multiple of 128, bias or none,
-    every FP8 tile shape among the calls (asserted), and per tensor the ping-pong kernel's
-    FP8 form forced on every call."""
+    every FP8 tile shape among the calls (asserted); per tensor, both kernels on every call
+    (the pick, and the one-consumer or ping-pong kernel it did not pick)."""
     _skip_without_kernels()
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89 or newer")
@@ -516,11 +516,13 @@ def test_fp8_gemm_matches_dequantized_reference():
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
                 for blocks in (False, True):
                     seed += 5
+                    one = segments(layout, world, rows, hidden=n, k=k, ctas=132,
+                                   fp8="blocks").tiles  # the best one-consumer tiles
                     picked = segments(layout, world, rows, hidden=n, k=k, ctas=132,
-                                      fp8=True).tiles
-                    for tiles in (picked, None if blocks else pingpong):
-                        if tiles is None:
-                            continue
+                                      fp8="blocks" if blocks else "tensor").tiles
+                    # per tensor both kernels on every case: the pick and the other one
+                    for tiles in (picked,) if blocks else (
+                            picked, one if picked.consumers == 2 else pingpong):
                         seed += 1
                         seen.add(next(t for t, v in TILES.items()
                                       if (v.block_rows, v.block_cols, v.consumers)
@@ -557,7 +559,7 @@ def test_fp8_gemm_refuses_bad_input():
 
     dev = torch.device("cuda", 0)
     inbox = GemmInbox.loopback(2, 1024, 512, torch.bfloat16, dev)
-    seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8=True)
+    seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8="tensor")
     pingpong = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
                         tiles=replace(PINGPONG, block_k=FP8_BLOCK_K))
     x = torch.randn(300, 256, device=dev).to(FP8_DTYPE)
@@ -573,7 +575,7 @@ def test_fp8_gemm_refuses_bad_input():
            (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),
            (x, w, seg, replace(blocks, x_scale_inv=torch.ones(2, 301, device=dev)), "x scale"),
            (x[:, :192].contiguous(), w[:, :192].contiguous(),
-            segments(Layout.REPLICATED, 2, 300, hidden=512, k=192, ctas=132, fp8=True),
+            segments(Layout.REPLICATED, 2, 300, hidden=512, k=192, ctas=132, fp8="blocks"),
             replace(blocks, x_scale_inv=torch.ones(1, 300, device=dev)), "multiple of 128")]
     for xx, ww, ss, ops, match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):
