@@ -59,6 +59,7 @@ from megatron_tokenweave.ops.segments import (
     RELEASES,
     TILES,
     fitted_tiles,
+    one_consumer_tiles,
     segments,
 )
 from megatron_tokenweave.ops.validate import Layout
@@ -135,7 +136,9 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         other = {}
         if fp8 == "tensor" and seg.tiles.consumers == 2:
             other = {"tokenweave_one_consumer": segments(
-                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fp8="blocks")}
+                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
+                    one_consumer_tiles(Layout.REPLICATED, tp, tokens, n, sms),
+                    block_k=FP8_BLOCK_K))}
         if fitted:
             triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
             other = ({"tokenweave_triton": triton} if seg.tiles.fitted else

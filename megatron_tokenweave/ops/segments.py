@@ -176,10 +176,9 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     if fp8 is not None:
         if fp8 not in FP8_SCALINGS:
             raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
-        one = (_triton_tiles(layout, world, rows, hidden, k, ctas) if fp8 == "tensor" else
-               min(ONE_CONSUMER,
-                   key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas)))
-        return replace(one, block_k=FP8_BLOCK_K)
+        picked = (_triton_tiles(layout, world, rows, hidden, k, ctas) if fp8 == "tensor" else
+                  one_consumer_tiles(layout, world, rows, hidden, ctas))
+        return replace(picked, block_k=FP8_BLOCK_K)
     triton = _triton_tiles(layout, world, rows, hidden, k, ctas)
     if (fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
             and wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW):
@@ -187,13 +186,18 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     return triton
 
 
+def one_consumer_tiles(layout: Layout, world: int, rows: int, hidden: int,
+                       ctas: int) -> GemmTiles:
+    """The one-consumer kernel's tiles of a call with the fewest estimated tile-times."""
+    return min(ONE_CONSUMER, key=lambda t: estimated_time(t, layout, world, rows, hidden, ctas))
+
+
 def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
                   ctas: int) -> GemmTiles:
     """The Triton kernels' tiles of a call (`tiles_for`)."""
-    times = {t: estimated_time(t, layout, world, rows, hidden, ctas)
-             for t in (*ONE_CONSUMER, PINGPONG)}
-    one = min(ONE_CONSUMER, key=times.__getitem__)
-    if times[PINGPONG] > times[one]:
+    one = one_consumer_tiles(layout, world, rows, hidden, ctas)
+    if (estimated_time(PINGPONG, layout, world, rows, hidden, ctas)
+            > estimated_time(one, layout, world, rows, hidden, ctas)):
         return one
     per_cta = (row_blocks(layout, world, rows, PINGPONG.block_rows)
                * PINGPONG.col_tiles(hidden) / max(1, ctas))

@@ -505,7 +505,13 @@ def test_fp8_gemm_matches_dequantized_reference():
         pytest.skip("FP8 tensor cores need sm_89 or newer")
     from dataclasses import replace
 
-    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, PINGPONG, TILES, segments
+    from megatron_tokenweave.ops.segments import (
+        FP8_BLOCK_K,
+        PINGPONG,
+        TILES,
+        one_consumer_tiles,
+        segments,
+    )
 
     dev = torch.device("cuda", 0)
     failures, cases, seed, seen = [], 0, 100, set()
@@ -516,8 +522,8 @@ def test_fp8_gemm_matches_dequantized_reference():
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
                 for blocks in (False, True):
                     seed += 5
-                    one = segments(layout, world, rows, hidden=n, k=k, ctas=132,
-                                   fp8="blocks").tiles  # the best one-consumer tiles
+                    one = replace(one_consumer_tiles(layout, world, rows, n, 132),
+                                  block_k=FP8_BLOCK_K)
                     picked = segments(layout, world, rows, hidden=n, k=k, ctas=132,
                                       fp8="blocks" if blocks else "tensor").tiles
                     # per tensor both kernels on every case: the pick and the other one
