@@ -3,9 +3,10 @@
 # megatron_tokenweave/build_flags.py's (the ones setup.py and the JIT build use; archs: its
 # CHECK_ARCHS, "80;90", or TOKENWEAVE_CUDA_ARCHS where set), plus what torch's BuildExtension adds
 # and the include dirs of the installed torch (the CPU wheel ships the CUDA headers torch's
-# extensions need), one nvcc per source and core at a time. For the multimem code, also check that
-# the sm_90 PTX of csrc/launch_multimem.cu (kept from its object compile) holds multimem.ld_reduce
-# and multimem.st. Exits non-zero on any failure.
+# extensions need), one nvcc per source and core at a time. Then the sm_90 PTX (kept from the
+# object compiles) of the sources in PTX_NEEDS must hold the instructions named there: the
+# multimem code's multimem.ld_reduce and multimem.st, the fitted GEMM's e4m3 wgmma of depth 32.
+# Exits non-zero on any failure.
 # Usage: .ci/compile_csrc.sh [--print-flags] [build_dir]   (env: PYTHON, NVCC)
 #   --print-flags: print the nvcc flags, one per line, and exit (compiles nothing).
 set -euo pipefail
@@ -48,14 +49,18 @@ done
 if [ "$print_only" -eq 1 ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi
 echo "nvcc flags: ${OURS[*]}"
 status=0
-keep="$OUT/keep"
-ptx_src=csrc/launch_multimem.cu  # the multimem kernels' translation unit
+# Sources whose sm_90 PTX must hold these instructions (compiled, never run here).
+declare -A PTX_NEEDS=(
+  [csrc/launch_multimem.cu]="multimem.ld_reduce multimem.st"
+  [csrc/launch_fit_gemm_e4m3_bf16.cu]="wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3"
+)
 # One nvcc per source, as many at once as there are cores (the kernel families' files are
 # separate translation units for this: csrc/launch.cuh).
 compile() {
   local src=$1 obj="$OUT/$(basename "${1%.cu}").o" extra=()
-  # The multimem file's intermediate files are kept for the PTX check below.
-  if [ "$src" = "$ptx_src" ]; then rm -rf "$keep"; mkdir -p "$keep"; extra=(-keep -keep-dir "$keep"); fi
+  # The intermediate files of PTX_NEEDS's sources are kept for the PTX check below.
+  local keep="$OUT/keep_$(basename "${1%.cu}")"
+  if [ -n "${PTX_NEEDS[$src]:-}" ]; then rm -rf "$keep"; mkdir -p "$keep"; extra=(-keep -keep-dir "$keep"); fi
   local rc=0  # (set -e is on in this job's subshell too)
   "$NVCC" "${FLAGS[@]}" -Xptxas -v "${extra[@]}" -c "$src" -o "$obj" 2> "$obj.log" || rc=$?
   echo "$rc" > "$obj.rc"
@@ -76,26 +81,24 @@ for src in csrc/*.cu; do
     echo "note: register spills above in $src (not an error)"
   fi
 done
-# PTX of the multimem kernels for sm_90: must contain the NVLink SHARP instructions (compiled,
-# never run; below sm_90 they are traps).
-ptx="$OUT/multimem.sm90.ptx"
-rm -f "$ptx"
+# The sm_90 PTX of PTX_NEEDS's sources must hold their instructions (below sm_90 the multimem
+# ones are traps and the fitted GEMM is not compiled).
 if [[ " ${OURS[*]} " != *compute_90a,* ]]; then
-  echo "note: 90 is not among the archs: no multimem PTX check"
+  echo "note: 90 is not among the archs: no PTX check"
 elif [ "$status" -eq 0 ]; then
-  for f in "$keep"/*.ptx; do  # nvcc names it by the number of archs: pick it by its target
-    if [ -f "$f" ] && grep -q -m1 "^\.target sm_90a\?\b" "$f"; then mv "$f" "$ptx"; break; fi
-  done
-  if [ -f "$ptx" ]; then
-    for insn in multimem.ld_reduce multimem.st; do
-      n=$(grep -c "$insn" "$ptx" || true)
-      echo "$insn: $n occurrences in $ptx"
-      [ "$n" -gt 0 ] || { echo "missing $insn in PTX"; status=1; }
+  for src in "${!PTX_NEEDS[@]}"; do
+    keep="$OUT/keep_$(basename "${src%.cu}")" ptx=""
+    for f in "$keep"/*.ptx; do  # nvcc names it by the number of archs: pick it by its target
+      if [ -f "$f" ] && grep -q -m1 "^\.target sm_90a\?\b" "$f"; then ptx=$f; break; fi
     done
-  else
-    echo "no sm_90 PTX of $ptx_src in $keep"; status=1
-  fi
+    if [ -z "$ptx" ]; then echo "no sm_90 PTX of $src in $keep"; status=1; continue; fi
+    for insn in ${PTX_NEEDS[$src]}; do
+      n=$(grep -c "$insn" "$ptx" || true)
+      echo "$insn: $n occurrences in the sm_90 PTX of $src"
+      [ "$n" -gt 0 ] || { echo "missing $insn in the PTX of $src"; status=1; }
+    done
+  done
 fi
-rm -rf "$keep"
+rm -rf "$OUT"/keep_*
 [ "$status" -eq 0 ] && echo "compile check OK" || echo "compile check FAILED"
 exit "$status"

@@ -8,9 +8,11 @@
 //                           ctas, path, tag, normed_scales!, scaling)
 //   gemm_reduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
 //                       ctas, segments, tag)
-//   fit_gemm(x, weight, bias?, regions, geometry, ctas): the GEMM-fused mechanism's row-parallel
-//       GEMM with tiles fitted to the call (fit_gemm.cuh), storing into the inboxes at `regions`;
-//       it takes no communicator (a benchmark's loopback inbox has none).
+//   fit_gemm(x, weight, bias?, regions, geometry, ctas, scales, out_dtype?): the GEMM-fused
+//       mechanism's row-parallel GEMM with tiles fitted to the call (fit_gemm.cuh), storing into
+//       the inboxes at `regions` (bf16/fp16 operands, or e4m3 ones with their two per-tensor
+//       scales and the rows' dtype); it takes no communicator (a benchmark's loopback inbox has
+//       none).
 // `tag` is the call's tag (signal.cuh: every rank passes the same for the same call; a peer on
 // another call is an error, never a combination of two calls' rows); `segments` the GEMM-fused
 // call's geometry as one list (SegmentGeometry); `normed_scales` / `scaling` describe FP8 normed
@@ -613,27 +615,43 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // one rank) into every owner's inbox slot. `regions`: each rank's inbox region as this rank maps
 // it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
 // slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start].
+// bf16/fp16 operands: `scales` empty, rows of x's dtype (out_dtype none or that). e4m3 operands
+// (ops/fp8_operands.py, per tensor): `scales` = [x's, the weight's scale_inv], one float32 each,
+// and out_dtype the rows' (and bias's) bf16 or fp16.
 void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-           at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas) {
+              at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas,
+              at::TensorList scales, std::optional<at::ScalarType> out_dtype) {
   TW_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
                weight.is_contiguous() && weight.device() == x.device(),
            "tokenweave: fit_gemm takes contiguous 2-D x and weight on one CUDA device");
-  const auto dt = x.scalar_type();
-  TW_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && weight.scalar_type() == dt,
-           "tokenweave: fit_gemm: x and weight must both be bf16 or both fp16");
+  const auto in = x.scalar_type();
+  const bool fp8 = in == at::kFloat8_e4m3fn;
+  TW_CHECK((in == at::kBFloat16 || in == at::kHalf || fp8) && weight.scalar_type() == in,
+           "tokenweave: fit_gemm: x and weight must both be bf16, both fp16 or both e4m3");
+  const auto dt = out_dtype.value_or(in);
+  TW_CHECK(fp8 ? (dt == at::kBFloat16 || dt == at::kHalf) : dt == in,
+           "tokenweave: fit_gemm: rows of bf16 or fp16, of the operands' dtype where they are "
+           "16-bit");
+  TW_CHECK(static_cast<int64_t>(scales.size()) == (fp8 ? 2 : 0),
+           "tokenweave: fit_gemm: e4m3 operands take [x scale_inv, weight scale_inv], 16-bit "
+           "ones none; got ", scales.size());
+  for (const at::Tensor& s : scales)
+    TW_CHECK(s.device() == x.device() && s.scalar_type() == at::kFloat && s.numel() == 1,
+             "tokenweave: fit_gemm: a scale_inv must be one float32 on x's device");
   const int64_t k = x.size(1), n_out = weight.size(0);
   TW_CHECK(weight.size(1) == k, "tokenweave: fit_gemm: x has ", k, " in-features, weight ",
            weight.size(1));
-  TW_CHECK(k % kVecElems == 0 && n_out % kVecElems == 0 && k > 0 && n_out > 0,
-           "tokenweave: fit_gemm: in- and out-features must be positive multiples of 8 "
-           "(16-byte rows), got ", k, " and ", n_out);
+  const int64_t k_align = kVecBytes / x.element_size();
+  TW_CHECK(k % k_align == 0 && n_out % kVecElems == 0 && k > 0 && n_out > 0,
+           "tokenweave: fit_gemm: in-features must be a positive multiple of ", k_align,
+           " and out-features of 8 (16-byte rows), got ", k, " and ", n_out);
   check_aligned(x, "x");
   check_aligned(weight, "weight");
   if (bias) {
     TW_CHECK(bias->device() == x.device() && bias->scalar_type() == dt &&
                  bias->is_contiguous() && bias->numel() == n_out,
-             "tokenweave: fit_gemm: bias must be a contiguous [out-features] tensor of x's "
-             "dtype on its device");
+             "tokenweave: fit_gemm: bias must be a contiguous [out-features] tensor of the "
+             "rows' dtype on x's device");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   int major = 0, minor = 0;
@@ -680,6 +698,7 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
              "tokenweave: fit_gemm: inbox region ", q, " is null or not 16-byte aligned");
   p.slots_off = slots_off;
   p.bias = bias ? bias->data_ptr() : nullptr;
+  for (size_t q = 0; q < scales.size(); ++q) p.scale_inv[q] = scales[q].data_ptr<float>();
   p.n_out = static_cast<int>(n_out);
   p.k = static_cast<int>(k);
   p.rank = static_cast<int>(rank);
@@ -697,17 +716,20 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   p.tiles = p.m_tiles * p.groups * p.group_tiles;
   p.start = static_cast<int>(start % (p.groups * p.group_tiles));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const bool bf16 = dt == at::kBFloat16;
   const int b = static_cast<int>(bn), g = static_cast<int>(ctas);
+  // The instantiation of the rows' type T and the operands' In, in the call's mode.
+  const auto run = [&](auto t, auto o) {
+    using T = decltype(t);
+    using In = decltype(o);
+    return coop ? fit::launch<T, In, true>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b, g,
+                                           stream)
+                : fit::launch<T, In, false>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b, g,
+                                            stream);
+  };
+  const bool bf16 = dt == at::kBFloat16;
   const fit::LaunchStatus status =
-      coop ? (bf16 ? fit::launch<__nv_bfloat16, true>(x.data_ptr(), x.size(0), weight.data_ptr(),
-                                                      p, b, g, stream)
-                   : fit::launch<__half, true>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b,
-                                               g, stream))
-           : (bf16 ? fit::launch<__nv_bfloat16, false>(x.data_ptr(), x.size(0),
-                                                       weight.data_ptr(), p, b, g, stream)
-                   : fit::launch<__half, false>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b,
-                                                g, stream));
+      fp8 ? (bf16 ? run(__nv_bfloat16{}, __nv_fp8_e4m3{}) : run(__half{}, __nv_fp8_e4m3{}))
+          : (bf16 ? run(__nv_bfloat16{}, __nv_bfloat16{}) : run(__half{}, __half{}));
   TW_CHECK(status != fit::LaunchStatus::kNoDriverEntry,
            "tokenweave: fit_gemm: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver)");
   TW_CHECK(status != fit::LaunchStatus::kTensorMap,
@@ -740,8 +762,8 @@ TORCH_LIBRARY(tokenweave, m) {
       "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int[] segments, "
       "int tag) -> ()");
   m.def(
-      "fit_gemm(Tensor x, Tensor weight, Tensor? bias, int[] regions, int[] geometry, int ctas) "
-      "-> ()");
+      "fit_gemm(Tensor x, Tensor weight, Tensor? bias, int[] regions, int[] geometry, int ctas, "
+      "Tensor[] scales, ScalarType? out_dtype) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {

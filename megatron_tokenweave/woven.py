@@ -152,7 +152,7 @@ class WovenForward:
             x, first, stride = x.reshape(-1, x.shape[-1]), rows.offset, x.shape[1]
         seg = half_segments(self.layout, self.world, self.halves, i, hidden=weight.shape[0],
                             k=weight.shape[1], ctas=self.gemm_ctas, first=first,
-                            chunk_stride=stride, fitted=self.comm.fitted_gemm and ops is None,
+                            chunk_stride=stride, fitted=self.comm.fitted_gemm,
                             fp8=None if ops is None else ops.scaling)
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x, weight, bias, seg, i, ctas=self.gemm_ctas, call=self.site * 2 + i,

@@ -527,8 +527,9 @@ def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
 
 def test_fitted_launcher_refuses_bad_input():
     """kernels/owner_gemm.check_fitted_gemm: what the fitted kernel cannot take is a
-    TokenWeaveInputError before the op (bf16/fp16 of one dtype, 2-D contiguous, K and N
-    multiples of 8, bias [N], 16-byte starts, token extents in its range, rows inside x and
+    TokenWeaveInputError before the op (operands bf16/fp16 of the rows' dtype, or e4m3 with
+    rows of bf16/fp16; 2-D contiguous; 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
+    bias [N] of the rows' dtype; 16-byte starts; token extents in its range; rows inside x and
     the slot)."""
     from dataclasses import replace
 
@@ -538,13 +539,23 @@ def test_fitted_launcher_refuses_bad_input():
     seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, tiles=tiles)
     x = torch.randn(300, 256, dtype=torch.bfloat16)
     w = torch.randn(512, 256, dtype=torch.bfloat16)
-    check_fitted_gemm(x, w, None, seg, slot_rows=400, world=2)  # a call it takes
+    e4m3 = torch.float8_e4m3fn
+    fp8 = dict(x=x.to(e4m3), w=w.to(e4m3), fp8=True, out=torch.bfloat16)
+    base = dict(x=x, w=w, bias=None, seg=seg, fp8=False, out=None)
+
+    def check(args: dict) -> None:
+        check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
+                          world=2, fp8=args["fp8"], out_dtype=args["out"])
+
+    check(base)  # calls it takes: 16-bit, and e4m3 with bf16 rows and bias
+    check(base | fp8 | dict(bias=torch.randn(512, dtype=torch.bfloat16)))
     bad = [
         (dict(x=x.float()), "bf16 or fp16"),
-        (dict(bias=torch.randn(512, dtype=torch.float16)), "one dtype"),
+        (dict(bias=torch.randn(512, dtype=torch.float16)), "of one dtype"),
+        (dict(out=torch.float16), "of one dtype"),
         (dict(x=x.t()), "contiguous 2-D"),
-        (dict(x=x[:, :100].contiguous(), w=w[:, :100].contiguous()), "multiples of 8"),
-        (dict(w=w[:500].contiguous()), "multiples of 8"),
+        (dict(x=x[:, :100].contiguous(), w=w[:, :100].contiguous()), "K a multiple of 8"),
+        (dict(w=w[:500].contiguous()), "N of 8"),
         (dict(bias=torch.randn(500, dtype=torch.bfloat16)), r"bias must be \[512\]"),
         (dict(x=torch.randn(301 * 256 + 1, dtype=torch.bfloat16)[1:].view(301, 256)),
          "16-byte aligned"),
@@ -552,9 +563,12 @@ def test_fitted_launcher_refuses_bad_input():
         (dict(seg=replace(seg, tiles=replace(tiles, block_rows=20))), "multiple of 8 tokens"),
         (dict(x=x[:200]), "x has 200"),
         (dict(seg=replace(seg, row0=300)), "a slot has 400"),
+        (fp8 | dict(w=w), "e4m3 operands"),
+        (fp8 | dict(out=torch.float32), "e4m3 operands"),
+        (fp8 | dict(bias=torch.randn(512, dtype=torch.float16)), "e4m3 operands"),
+        (fp8 | dict(x=fp8["x"][:, :200].contiguous(), w=fp8["w"][:, :200].contiguous()),
+         "K a multiple of 16"),
     ]
     for change, match in bad:
-        args = dict(x=x, w=w, bias=None, seg=seg) | change
         with pytest.raises(TokenWeaveInputError, match=match):
-            check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
-                              world=2)
+            check(base | change)

@@ -10,8 +10,8 @@ kernels/owner_gemm*.py, or on sm_90 the fitted CUDA kernel, csrc/include/tokenwe
 fit_gemm.cuh; its epilogue stores every row another rank owns into that rank's inbox; here the
 TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback, so the stores are all
 paid, only the NVLink is not) and, where the fitted kernel runs, the kernel the policy did not
-pick (`tokenweave_triton` or `tokenweave_fitted`; in FP8 per tensor, where the pick is the
-ping-pong kernel, the one-consumer kernel's best tiles: `tokenweave_one_consumer`).
+pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per tensor, where the Triton pick is
+the ping-pong kernel, the one-consumer kernel's best tiles too (`tokenweave_one_consumer`).
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
@@ -27,15 +27,15 @@ to cuBLAS, median over the shards. Replicated layout (what Megatron's engines ru
 (a graph of a single call also times its replay's launch, microseconds beside GEMMs of 10-30
 us); replays interleaved (bench/timing.py), medians per call. `--dtypes fp8 fp8_blocks`: e4m3
 operands with bf16 rows, scaled per tensor (delayed and current scaling) or in TE's blockwise
-recipe's blocks (1 x 128 of x, 128 x 128 of the weight): the communicating GEMM (the Triton
-kernels' FP8 forms, ops/fp8_operands.py) against cuBLAS's FP8 GEMM through torch._scaled_mm
-(`cublas` rows: fast accumulation per tensor, as TE's forward GEMMs; cuBLAS's block-scaled form
-for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no `te` rows in FP8: te.Linear would add
-the quantization of x). `--passes N` times the same graphs N times (rows carry `pass`): a 10-25
-us GEMM's ratio moves by about 1 % from pass to pass (docs/kernel.md), so the plot draws the
-median over passes and their range. Every communicating GEMM and CUTLASS row is checked against
-cuBLAS before timing. The reduction that consumes the rows needs peers: its timing is part of
-the 2-GPU kernel benchmark."""
+recipe's blocks (1 x 128 of x, 128 x 128 of the weight): the communicating GEMM (the kernels' FP8
+forms, ops/fp8_operands.py; the fitted kernel's per tensor only) against cuBLAS's FP8 GEMM
+through torch._scaled_mm (`cublas` rows: fast accumulation per tensor, as TE's forward GEMMs;
+cuBLAS's block-scaled form for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no `te` rows in
+FP8: te.Linear would add the quantization of x). `--passes N` times the same graphs N times (rows
+carry `pass`): a 10-25 us GEMM's ratio moves by about 1 % from pass to pass (docs/kernel.md), so
+the plot draws the median over passes and their range. Every communicating GEMM and CUTLASS row
+is checked against cuBLAS before timing. The reduction that consumes the rows needs peers: its
+timing is part of the 2-GPU kernel benchmark."""
 
 from __future__ import annotations
 
@@ -125,29 +125,32 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     torch_dtype = torch.bfloat16 if fp8 else DTYPES[dtype]
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    fitted = fitted_gemm_available(dev) and fp8 is None
+    fitted = fitted_gemm_available(dev) and fp8 != "blocks"
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
     for name, key in GEMMS.items():
         k, n = layer_gemms(shape, tp)[key]
         seg = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fitted=fitted,
                        fp8=fp8)
-        # The kernel the policy did not pick, timed beside the pick.
+        # The kernels the policy did not pick, timed beside the pick: the fitted one or the
+        # Triton pick; in FP8 per tensor, where the Triton pick is the ping-pong kernel, the
+        # one-consumer kernel's best tiles too.
+        block_k = FP8_BLOCK_K if fp8 else 64
+        triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fp8=fp8)
         other = {}
-        if fp8 == "tensor" and seg.tiles.consumers == 2:
-            other = {"tokenweave_one_consumer": segments(
-                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
-                    one_consumer_tiles(Layout.REPLICATED, tp, tokens, n, sms),
-                    block_k=FP8_BLOCK_K))}
         if fitted:
-            triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms)
             other = ({"tokenweave_triton": triton} if seg.tiles.fitted else
                      {"tokenweave_fitted": segments(
-                         Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
-                         tiles=fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms))})
+                         Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
+                             fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
+                             block_k=block_k))})
+        if fp8 == "tensor" and triton.tiles.consumers == 2:
+            other["tokenweave_one_consumer"] = segments(
+                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
+                    one_consumer_tiles(Layout.REPLICATED, tp, tokens, n, sms),
+                    block_k=FP8_BLOCK_K))
         forced = {}
         if breakdown:
-            triton = seg if not seg.tiles.fitted else other["tokenweave_triton"]
             forced = {f"tokenweave_release_{r}": replace(triton, release=r) for r in RELEASES}
             shapes = TILES if fp8 is None else {
                 t: replace(tiles, block_k=FP8_BLOCK_K) for t, tiles in TILES.items()

@@ -38,6 +38,7 @@ from megatron_tokenweave.kernels.owner_protocol import (
     tile_of,
 )
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, FP8_BLOCK_K, Segments
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
@@ -138,28 +139,29 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     consumer passes too: published into each owner's inbox before the flags, the owner gives
     up on a source's tiles of another call. The segments' tiles pick the kernel:
     this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster, or
-    the fitted CUDA kernel (its consumer publishes the rows and the tag).
+    the fitted CUDA kernel (its consumer publishes the rows and the tag; 16-bit operands or
+    e4m3 ones scaled per tensor).
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
     the consumer after this kernel ("consumer": no fence, no flags here). validate: check a
     fitted call or FP8 operands first (`check_fitted_gemm`, `Fp8Operands.check`; off where
     the caller checked them already).
-    fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; the Triton kernels with
-    FP8 tiles, ops/segments.tiles_for(fp8=fp8.scaling)); the tiles land in the inbox's dtype."""
+    fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; FP8 tiles,
+    ops/segments.tiles_for(fp8=fp8.scaling)); the tiles land in the inbox's dtype."""
     if fp8 is not None:
-        if seg.tiles.fitted or seg.tiles.block_k != FP8_BLOCK_K or (
-                fp8.blocks and seg.tiles.consumers != 1):
+        if seg.tiles.block_k != FP8_BLOCK_K or (fp8.blocks and seg.tiles.consumers != 1):
             raise TokenWeaveInputError(
-                f"FP8 operands take the Triton kernels with {FP8_BLOCK_K}-deep K blocks, block "
-                f"scales the one-consumer one (segments(..., fp8={fp8.scaling!r})), got "
-                f"{seg.tiles}")
+                f"FP8 operands take tiles with {FP8_BLOCK_K}-deep K blocks, block scales the "
+                f"one-consumer kernel's (segments(..., fp8={fp8.scaling!r})), got {seg.tiles}")
         if validate:
             fp8.check(x, weight)
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
         if validate:
-            check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world)
+            check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world,
+                              fp8 is not None, inbox.dtype)
         torch.ops.tokenweave.fit_gemm(
             x, weight, bias, inbox.bases,
-            seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas)
+            seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas,
+            [] if fp8 is None else [fp8.x_scale_inv, fp8.w_scale_inv], inbox.dtype)
         return
     num_m = seg.nonempty_blocks(inbox.world)
     if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
@@ -191,22 +193,30 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      seg: Segments, slot_rows: int, world: int) -> None:
+                      seg: Segments, slot_rows: int, world: int, fp8: bool = False,
+                      out_dtype: torch.dtype | None = None) -> None:
     """Raise TokenWeaveInputError for a call the fitted kernel cannot take (ops.cu checks the
-    same again, as the last line of defence): bf16/fp16 operands of one dtype, 16-byte rows and
+    same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
+    x's by default), or e4m3 ones (fp8: their scales are Fp8Operands.check's), 16-byte rows and
     starts, its token extents, the rows the segments read and the inbox rows they fill."""
-    if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or (
-            bias is not None and bias.dtype != x.dtype):
+    out_dtype = out_dtype or x.dtype
+    operand = FP8_DTYPE if fp8 else out_dtype
+    if out_dtype not in KERNEL_DTYPES or x.dtype != operand or weight.dtype != operand or (
+            bias is not None and bias.dtype != out_dtype):
+        operands = "e4m3 operands with" if fp8 else "x, weight,"
         raise TokenWeaveInputError(
-            f"the fitted GEMM takes bf16 or fp16 operands of one dtype, got x {x.dtype}, "
-            f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+            f"the fitted GEMM takes {operands} rows and bias of one dtype, bf16 or fp16 (the "
+            f"rows': {out_dtype}), got x {x.dtype}, weight {weight.dtype}, bias "
+            f"{None if bias is None else bias.dtype}")
     if x.dim() != 2 or weight.dim() != 2 or not (x.is_contiguous() and weight.is_contiguous()):
         raise TokenWeaveInputError("the fitted GEMM takes contiguous 2-D x and weight")
     n, k = weight.shape
-    if x.shape[1] != k or k % VECTOR_ELEMS or n % VECTOR_ELEMS:
+    k_align = 16 // x.element_size()  # 16-byte rows of x and the weight
+    if x.shape[1] != k or k % k_align or n % VECTOR_ELEMS:
         raise TokenWeaveInputError(
-            f"the fitted GEMM needs x [rows, K] and weight [N, K] with K and N multiples of "
-            f"{VECTOR_ELEMS}, got {tuple(x.shape)} and {tuple(weight.shape)}")
+            f"the fitted GEMM needs x [rows, K] and weight [N, K] with K a multiple of "
+            f"{k_align} and N of {VECTOR_ELEMS}, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise TokenWeaveInputError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if x.data_ptr() % 16 or weight.data_ptr() % 16:

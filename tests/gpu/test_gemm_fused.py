@@ -334,7 +334,7 @@ def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative
         slots.fill_(float("nan"))
     torch.ops.tokenweave.fit_gemm(x, w, bias, inbox.bases,
                                   seg.fitted_geometry(inbox.slots_off, rank, inbox.slot_rows,
-                                                      world), 132)
+                                                      world), 132, [], None)
     torch.cuda.synchronize()
     ref = x.float() @ w.float().t()
     if bias is not None:
@@ -498,25 +498,32 @@ def test_fp8_gemm_matches_dequantized_reference():
     dtype), every other row still poisoned: replicated at TP 2 and 8, sequence parallel at
     TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model families (K 1792-3584,
     out-features 4096-8192) and one with out-features not a multiple of 128, bias or none,
-    every FP8 tile shape among the calls (asserted); per tensor, both kernels on every call
-    (the pick, and the one-consumer or ping-pong kernel it did not pick)."""
+    every FP8 tile shape among the calls (asserted); per tensor, every kernel on every call
+    (the pick, the one-consumer or ping-pong kernel it did not pick, and where it runs the
+    fitted kernel, its token extents and both modes taken in turn)."""
     _skip_without_kernels()
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89 or newer")
     from dataclasses import replace
 
+    from megatron_tokenweave.kernels._ext import fitted_gemm_available
     from megatron_tokenweave.ops.segments import (
         FP8_BLOCK_K,
         PINGPONG,
         TILES,
+        GemmTiles,
         one_consumer_tiles,
         segments,
     )
 
     dev = torch.device("cuda", 0)
-    failures, cases, seed, seen = [], 0, 100, set()
-    worst = {"tensor": 0.0, "pingpong": 0.0, "blocks": 0.0}
+    failures, cases, seed, seen, seen_fitted = [], 0, 100, set(), []
+    worst = {"tensor": 0.0, "pingpong": 0.0, "fitted": 0.0, "blocks": 0.0}
     pingpong = replace(PINGPONG, block_k=FP8_BLOCK_K)
+    fitted = [GemmTiles(block_rows=bn, block_cols=256 if coop else 128, block_k=FP8_BLOCK_K,
+                        stages=0, warps=4, consumers=2, fitted=True, cooperative=coop)
+              for bn, coop in ((16, False), (72, True), (136, False), (176, True))
+              ] if fitted_gemm_available(dev) else []
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256)):
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
@@ -526,17 +533,21 @@ def test_fp8_gemm_matches_dequantized_reference():
                                   block_k=FP8_BLOCK_K)
                     picked = segments(layout, world, rows, hidden=n, k=k, ctas=132,
                                       fp8="blocks" if blocks else "tensor").tiles
-                    # per tensor both kernels on every case: the pick and the other one
+                    # per tensor every kernel on every case: the pick and the others
                     for tiles in (picked,) if blocks else (
-                            picked, one if picked.consumers == 2 else pingpong):
+                            picked, one if picked.consumers == 2 else pingpong,
+                            *([fitted[len(seen_fitted) % len(fitted)]] if fitted else [])):
                         seed += 1
-                        seen.add(next(t for t, v in TILES.items()
-                                      if (v.block_rows, v.block_cols, v.consumers)
-                                      == (tiles.block_rows, tiles.block_cols, tiles.consumers)))
+                        if tiles.fitted:
+                            seen_fitted.append(tiles)
+                        seen.add("fitted" if tiles.fitted else next(
+                            t for t, v in TILES.items()
+                            if (v.block_rows, v.block_cols, v.consumers)
+                            == (tiles.block_rows, tiles.block_cols, tiles.consumers)))
                         bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
                                              seed % 2 == 0, seed, tiles)
-                        name = "pingpong" if tiles.consumers == 2 else "blocks" if blocks else \
-                            "tensor"
+                        name = "fitted" if tiles.fitted else "pingpong" if tiles.consumers == 2 \
+                            else "blocks" if blocks else "tensor"
                         worst[name] = max(worst[name], err)
                         cases += 1
                         if bad:
@@ -546,13 +557,14 @@ def test_fp8_gemm_matches_dequantized_reference():
           "largest |error| / sum of |products|: "
           + ", ".join(f"{name} {err:.2e}" for name, err in worst.items()))
     assert not failures, "\n".join(failures[:12])
-    assert seen >= {"large", "wide", "small", "pingpong"}, seen
+    assert seen >= {"large", "wide", "small", "pingpong"} | ({"fitted"} if fitted else set()), \
+        seen
 
 
 def test_fp8_gemm_refuses_bad_input():
-    """FP8 calls with 16-bit tiles, block scales on the ping-pong kernel, operands not e4m3,
-    scales of the wrong shape or dtype, or blockwise K not whole blocks: TokenWeaveInputError,
-    nothing launched."""
+    """FP8 calls with 16-bit tiles, block scales on the ping-pong or fitted kernel, operands
+    not e4m3, scales of the wrong shape or dtype, or blockwise K not whole blocks:
+    TokenWeaveInputError, nothing launched."""
     _skip_without_kernels()
     from dataclasses import replace
 
@@ -560,14 +572,15 @@ def test_fp8_gemm_refuses_bad_input():
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
     from megatron_tokenweave.ops.fp8_operands import Fp8Operands
     from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
-    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, PINGPONG, segments
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, PINGPONG, fitted_tiles, segments
     from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
     dev = torch.device("cuda", 0)
     inbox = GemmInbox.loopback(2, 1024, 512, torch.bfloat16, dev)
     seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8="tensor")
-    pingpong = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
-                        tiles=replace(PINGPONG, block_k=FP8_BLOCK_K))
+    pingpong, fitted = (segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
+                                 tiles=replace(t, block_k=FP8_BLOCK_K))
+                        for t in (PINGPONG, fitted_tiles(Layout.REPLICATED, 2, 300, 512, 132)))
     x = torch.randn(300, 256, device=dev).to(FP8_DTYPE)
     w = torch.randn(512, 256, device=dev).to(FP8_DTYPE)
     one = torch.ones(1, device=dev)
@@ -576,6 +589,8 @@ def test_fp8_gemm_refuses_bad_input():
             Fp8Operands(one, one), "128-deep K blocks"),
            (x.to(torch.bfloat16), w, seg, Fp8Operands(one, one), "float8_e4m3fn"),
            (x, w, pingpong, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
+            "one-consumer"),
+           (x, w, fitted, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
             "one-consumer"),
            (x, w, seg, Fp8Operands(one.double(), one), "float32"),
            (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),

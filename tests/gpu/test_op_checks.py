@@ -34,20 +34,30 @@ CASES = [
     ("fit_gemm in-features 100",
      "k = torch.randn(256, 100, device=dev, dtype=bf16)\n"
      "torch.ops.tokenweave.fit_gemm(k, torch.randn(1024, 100, device=dev, dtype=bf16), None, "
-     "regions, geometry, 8)",
-     "multiples of 8 (16-byte rows), got 100 and 1024"),
+     "regions, geometry, 8, [], None)",
+     "in-features must be a positive multiple of 8 and out-features of 8 (16-byte rows), "
+     "got 100 and 1024"),
     ("fit_gemm block rows 180",
-     "geometry[9] = 180\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8)",
+     "geometry[9] = 180\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8, [], None)",
      "in 16..176, got 180"),
     ("fit_gemm 11 geometry entries",
-     "torch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry[:11], 8)",
+     "torch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry[:11], 8, [], None)",
      "got 11 entries"),
     ("fit_gemm rows past the segments",
-     "geometry[7] = 300\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8)",
+     "geometry[7] = 300\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8, [], None)",
      "300 rows do not split into 2 segments of 128"),
     ("fit_gemm float32",
-     "torch.ops.tokenweave.fit_gemm(x.float(), w.float(), None, regions, geometry, 8)",
-     "must both be bf16 or both fp16"),
+     "torch.ops.tokenweave.fit_gemm(x.float(), w.float(), None, regions, geometry, 8, [], None)",
+     "must both be bf16, both fp16 or both e4m3"),
+    ("fit_gemm e4m3 without scales",
+     "e4 = torch.float8_e4m3fn\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [], bf16)",
+     "e4m3 operands take [x scale_inv, weight scale_inv], 16-bit ones none; got 0"),
+    ("fit_gemm e4m3 into float32 rows",
+     "e4, one = torch.float8_e4m3fn, torch.ones(1, device=dev)\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [one, one], "
+     "torch.float32)",
+     "rows of bf16 or fp16"),
 ]
 
 

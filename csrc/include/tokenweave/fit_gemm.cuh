@@ -12,14 +12,20 @@
 // so a tile holds as many tokens as the call needs and a count's tail costs at most 7 padded
 // rows per tile. A row's owner is computed per row, so segments need not align with tiles.
 //
+// Operands (In): bf16 or fp16 (the output's dtype T), or e4m3 scaled per tensor (FP8 recipes'
+// delayed and current scaling: ops/fp8_operands.py), whose fp32 accumulator is multiplied by
+// the two scale_inv values once per tile, before the bias and the one rounding to T. A stage
+// holds 128 bytes of K per row either way (64 16-bit elements or 128 e4m3 ones), and one wgmma
+// takes 32 bytes of it (k16 or k32), so the pipeline and its descriptors are the same.
+//
 // Structure (one CTA per SM, persistent, 384 threads):
 // - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
 //   with TMA into a ring of kStages slots (the weight's box of 128 or 256 rows and the tokens'
-//   BN rows, 64 K each, 128-byte-swizzled K-major rows), each slot with a `full` barrier
+//   BN rows, 128 bytes of K each, 128-byte-swizzled K-major rows), each slot with a `full` barrier
 //   (transaction bytes) and an `empty` barrier (the consumer warps' release);
 // - warpgroups 1 and 2, the consumers, each with a 128 x BN fp32 tile part in registers (two
-//   m64nBNk16 wgmma per 16 K), one wgmma group in flight, each slot released as the next group
-//   is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles c, c + 2, ... of
+//   m64nBN wgmma per 32 bytes of K), one wgmma group in flight, each slot released as the next
+//   group is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles c, c + 2, ... of
 //   128 weight rows; their main loops alternate (named barriers 1 and 2: a consumer waits for the
 //   slots of its tile only after the other consumer waited for all of the previous tile's, so
 //   the parity it waits on is its own fill, never an older one), so one consumer's epilogue
@@ -36,6 +42,8 @@
 // tiles reused from L2), the token tiles rotated by `start`.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include <type_traits>
 
 #include "tokenweave/common.cuh"
@@ -45,8 +53,7 @@ namespace tokenweave {
 namespace fit {
 
 constexpr int kBM = 128;            // weight rows (output columns) per consumer's tile part
-constexpr int kBK = 64;             // K per stage: 128-byte rows of bf16/fp16
-constexpr int kRowBytes = 128;      // kBK * 2
+constexpr int kRowBytes = 128;      // bytes of K per row and stage (the 128-byte swizzle)
 constexpr int kThreads = 384;       // producer + two consumer warpgroups
 constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per consumer)
 constexpr int kGroupM = 8;          // weight tiles per group of the tile order
@@ -61,6 +68,7 @@ struct FitGemmParams {
   int64_t regions[kMaxRanks];  // every rank's inbox region as this rank maps it
   int64_t slots_off;           // bytes from a region's base to its slots
   const void* bias;            // [n_out] or null
+  const float* scale_inv[2];   // e4m3 operands: x's and the weight's dequantization scales
   int n_out, k;                // output columns (hidden) and in-features
   int rank, slot_rows;         // this rank's slot in every owner's inbox; rows per slot
   int row0;                    // inbox row of a segment's row 0
@@ -89,6 +97,19 @@ struct Shape {
   static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= kMaxBN,
                 "BN: a multiple of 8 in kMinBN..kMaxBN");
   static_assert(kStages >= 3, "too few pipeline stages fit");
+};
+
+// An operand type's wgmma and K per stage (kRowBytes of it).
+template <typename In>
+struct Operand {
+  static constexpr bool kFp8 = std::is_same<In, __nv_fp8_e4m3>::value;
+  static constexpr hopper::MmaType kMma =
+      kFp8 ? hopper::MmaType::kE4m3
+           : (std::is_same<In, __nv_bfloat16>::value ? hopper::MmaType::kBf16
+                                                     : hopper::MmaType::kF16);
+  static constexpr int kStageK = kRowBytes / static_cast<int>(sizeof(In));
+  static_assert(kFp8 || std::is_same<In, __nv_bfloat16>::value || std::is_same<In, __half>::value,
+                "operands: bf16, fp16 or e4m3");
 };
 
 // (weight tile, token tile) of a linear tile index.
@@ -203,7 +224,7 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2]
   }
 }
 
-template <typename T, int BN, bool kCoop>
+template <typename T, typename In, int BN, bool kCoop>
 __global__ void __launch_bounds__(kThreads, 1)
     fit_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap x_map,
@@ -211,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
   using S = Shape<BN, kCoop>;
-  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  using Op = Operand<In>;
   // Dynamic shared memory starts 1024-byte aligned (no static shared memory here): the
   // 128-byte swizzle of the stages needs it.
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -222,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + S::kStages;
 
   const int wg = threadIdx.x / 128;
-  const int k_steps = (p.k + kBK - 1) / kBK;
+  const int k_steps = (p.k + Op::kStageK - 1) / Op::kStageK;
   const int local_tiles =
       blockIdx.x < p.tiles ? (p.tiles - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
   if (threadIdx.x == 0) {
@@ -250,8 +271,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int s = seq % S::kStages, fill = seq / S::kStages;
           if (fill > 0) mbar_wait(&empty[s], (fill - 1) & 1);
           mbar_arrive_expect_tx(&full[s], S::kAStage + S::kBStage);
-          tma_load_2d(a_smem + s * S::kAStage, &w_map, kt * kBK, mt * S::kTileM, &full[s]);
-          tma_load_2d(b_smem + s * S::kBStage, &x_map, kt * kBK, x_row, &full[s]);
+          tma_load_2d(a_smem + s * S::kAStage, &w_map, kt * Op::kStageK, mt * S::kTileM,
+                      &full[s]);
+          tma_load_2d(b_smem + s * S::kBStage, &x_map, kt * Op::kStageK, x_row, &full[s]);
         }
       }
     }
@@ -263,6 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* stage = epi + consumer * 2 * S::kEpiBuffer;
   const int a_part = kCoop ? consumer * kBM * kRowBytes : 0;  // this consumer's weight rows
   int pass = 0;
+  // e4m3: the product of the two dequantization scales, applied to each finished tile.
+  const float scale = Op::kFp8 ? p.scale_inv[0][0] * p.scale_inv[1][0] : 1.f;
   float acc[2][BN / 2];
   for (int i = kCoop ? 0 : consumer; i < local_tiles; i += kCoop ? 1 : 2) {
     // Ping-pong: the other consumer waited for all of tile i - 1's slots.
@@ -276,13 +300,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t b0 = smem_addr(b_smem + s * S::kBStage);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
+      for (int kk = 0; kk < kRowBytes / 32; ++kk) {
         const uint64_t bd = smem_desc_k128(b0 + kk * 32);
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
-          Wgmma<BN>::template mma<kBf16>(acc[sub],
-                                         smem_desc_k128(a0 + sub * 64 * kRowBytes + kk * 32), bd,
-                                         (kt | kk) != 0);
+          Wgmma<BN>::template mma<Op::kMma>(acc[sub],
+                                            smem_desc_k128(a0 + sub * 64 * kRowBytes + kk * 32),
+                                            bd, (kt | kk) != 0);
         }
       }
       wgmma_commit();
@@ -297,6 +321,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(acc[0]);
     fence_regs(acc[1]);
     if (lane == 0) mbar_arrive(&empty[prev]);
+    if constexpr (Op::kFp8) {
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int e = 0; e < BN / 2; ++e) acc[sub][e] *= scale;
+    }
     int mt, nt;
     tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
     epilogue<T, BN>(p, acc, mt * S::kTileM + (kCoop ? consumer * kBM : 0), nt, stage, consumer,

@@ -1,7 +1,8 @@
 // Host side of the fitted communicating GEMM (fit_gemm.cuh): the operands' tensor maps and the
 // launch of the instantiation for the call's token extent BN. No torch here: ops.cu checks the
 // call and turns a status into a Python error. The instantiations compile in
-// csrc/launch_fit_gemm_{bf16,fp16}.cu (one dtype each, both modes, every BN).
+// csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16}.cu (one operand and output dtype each,
+// both modes, every BN).
 #pragma once
 
 #include <cuda.h>
@@ -33,18 +34,26 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// A row-major [rows, inner] matrix of 2-byte elements, rows `stride` elements apart, moved in
-// boxes of box_rows x 64 elements (128-byte rows, 128-byte swizzle: what smem_desc_k128 and
-// fit::stage_offset describe).
-inline bool make_map(CUtensorMap* map, const void* ptr, bool bf16, int64_t inner, int64_t rows,
-                     int64_t stride, int box_rows) {
+// The tensor maps' element type of an operand type (e4m3 moves as bytes).
+template <typename In>
+constexpr CUtensorMapDataType map_type() {
+  return std::is_same<In, __nv_bfloat16>::value ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+         : std::is_same<In, __half>::value      ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+}
+
+// A row-major, contiguous [rows, inner] matrix of In, moved in boxes of box_rows x 128 bytes
+// (128-byte swizzle: what smem_desc_k128 and fit::stage_offset describe).
+template <typename In>
+bool make_map(CUtensorMap* map, const void* ptr, int64_t inner, int64_t rows, int box_rows) {
   const auto encode = encode_fn();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * sizeof(In)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(Operand<In>::kStageK),
+                             static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+  return encode(map, map_type<In>(), 2,
                 const_cast<void*>(ptr), dims, strides, box, elem_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -65,22 +74,22 @@ bool with_bn(int bn, F&& f) {
                       std::make_integer_sequence<int, (kMaxBN - kMinBN) / 8 + 1>{});
 }
 
-// Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major (2-byte T), p's geometry for tiles of
-// bn tokens, on `ctas` persistent CTAs.
-template <typename T, bool kCoop>
+// Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major In, rows of T into the inboxes
+// (p.scale_inv set for e4m3 operands), p's geometry for tiles of bn tokens, on `ctas`
+// persistent CTAs.
+template <typename T, typename In, bool kCoop>
 LaunchStatus launch(const void* x, int64_t x_rows, const void* w, const FitGemmParams& p, int bn,
                     int ctas, cudaStream_t stream) {
-  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   CUtensorMap w_map, x_map;
   if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
-  if (!make_map(&w_map, w, kBf16, p.k, p.n_out, p.k, kCoop ? 2 * kBM : kBM) ||
-      !make_map(&x_map, x, kBf16, p.k, x_rows, p.k, bn))
+  if (!make_map<In>(&w_map, w, p.k, p.n_out, kCoop ? 2 * kBM : kBM) ||
+      !make_map<In>(&x_map, x, p.k, x_rows, bn))
     return LaunchStatus::kTensorMap;
   cudaError_t err = cudaSuccess;
   const bool known = with_bn(bn, [&](auto bn_c) {
     constexpr int BN = decltype(bn_c)::value;
     using S = Shape<BN, kCoop>;
-    auto kernel = fit_gemm_kernel<T, BN, kCoop>;
+    auto kernel = fit_gemm_kernel<T, In, BN, kCoop>;
     // The shared-memory limit is an attribute of the function on each device: raised once per
     // device (a bit per device of this instantiation).
     static std::atomic<uint64_t> raised{0};
@@ -104,17 +113,19 @@ LaunchStatus launch(const void* x, int64_t x_rows, const void* w, const FitGemmP
 }  // namespace fit
 }  // namespace tokenweave
 
-// The instantiations of both modes for one dtype (`extern` where they are used, defined in
-// csrc/launch_fit_gemm_{bf16,fp16}.cu, one translation unit per dtype).
-#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T)                                                      \
-  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, false>(            \
+// The instantiations of both modes for one output and operand dtype (`extern` where they are
+// used, defined in csrc/launch_fit_gemm_*.cu, one translation unit each).
+#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In)                                                  \
+  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, false>(        \
       const void*, int64_t, const void*, const tokenweave::fit::FitGemmParams&, int, int,        \
       cudaStream_t);                                                                          \
-  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, true>(             \
+  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, true>(         \
       const void*, int64_t, const void*, const tokenweave::fit::FitGemmParams&, int, int,        \
       cudaStream_t)
 
 #ifndef TOKENWEAVE_FIT_INSTANTIATE
-TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __half);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __half);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3);
 #endif

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks of the warp-specialized GEMM (fit_gemm.cuh), beside the
 // mbarrier steps of bulk_copy.cuh: bulk tensor copies (TMA), named barriers, register
-// reallocation, transposing matrix stores and wgmma with any
+// reallocation, transposing matrix stores and wgmma (bf16, fp16 or e4m3 operands) with any
 // instruction N (a multiple of 8 up to 176: the token extent of a tile is fitted to the call).
 // Everything here is device code for sm_90a; fit_gemm.cuh compiles it only there.
 #pragma once
@@ -87,7 +87,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Operand lists of an m64nNk16 wgmma: its N / 2 fp32 accumulators are operands %3 .. (after the
+// Operand lists of an m64nN wgmma: its N / 2 fp32 accumulators are operands %3 .. (after the
 // two descriptors and the scale), TW_ACC_k names 4 * k of them, TW_OUT_k binds them to d[].
 #define TW_ACC_1 "%3, %4, %5, %6"
 #define TW_ACC_2 TW_ACC_1 ", " "%7, %8, %9, %10"
@@ -134,27 +134,34 @@ __device__ __forceinline__ void fence_regs(float (&d)[kN]) {
 #define TW_OUT_21(d) TW_OUT_20(d), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83])
 #define TW_OUT_22(d) TW_OUT_21(d), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 
-// D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, both K-major in shared memory (descriptors), fp32
-// accumulators; `accumulate` 0 overwrites D. kType: the operands' PTX type (bf16, f16).
+// The operands' types of a wgmma (both K-major in shared memory): 16-bit ones take 16 of K per
+// instruction, e4m3 ones 32 (the same 32 bytes of each row).
+enum class MmaType { kBf16, kF16, kE4m3 };
+
+// D[64 x N] (+)= A[64 x K] * B[N x K]^T, both K-major in shared memory (descriptors), fp32
+// accumulators; `accumulate` 0 overwrites D. K: 16 for 16-bit operands, 32 for e4m3 (whose
+// instruction takes no transpose immediates).
 template <int kN>
 struct Wgmma;
 
-#define TW_WGMMA_TYPE(K4, N, TYPE)                                                           \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n"                                \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" TW_ACC_##K4 \
-               "}, %0, %1, p, 1, 1, 0, 0;\n}\n"                                            \
+#define TW_WGMMA_TYPE(K4, N, SHAPE_K, TYPE, IMMS)                                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k" #SHAPE_K ".f32." TYPE "." TYPE " {"   \
+               TW_ACC_##K4 "}, %0, %1, p, " IMMS ";\n}\n"                                    \
                : "+l"(a), "+l"(b), "+r"(accumulate), TW_OUT_##K4(d))
 
 #define TW_WGMMA(K4, N)                                                                       \
   template <>                                                                                 \
   struct Wgmma<N> {                                                                           \
-    template <bool kBf16>                                                                     \
+    template <MmaType kType>                                                                  \
     static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t a, uint64_t b,     \
                                                uint32_t accumulate) {                         \
-      if constexpr (kBf16) {                                                                  \
-        TW_WGMMA_TYPE(K4, N, "bf16");                                                         \
+      if constexpr (kType == MmaType::kBf16) {                                                \
+        TW_WGMMA_TYPE(K4, N, 16, "bf16", "1, 1, 0, 0");                                       \
+      } else if constexpr (kType == MmaType::kF16) {                                          \
+        TW_WGMMA_TYPE(K4, N, 16, "f16", "1, 1, 0, 0");                                        \
       } else {                                                                                \
-        TW_WGMMA_TYPE(K4, N, "f16");                                                          \
+        TW_WGMMA_TYPE(K4, N, 32, "e4m3", "1, 1");                                             \
       }                                                                                       \
     }                                                                                         \
   };
