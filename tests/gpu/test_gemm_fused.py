@@ -497,7 +497,8 @@ def test_fp8_gemm_matches_dequantized_reference():
     every owner's rows of the dequantized product, rounded once to bf16 or fp16 (the inbox's
     dtype), every other row still poisoned: replicated at TP 2 and 8, sequence parallel at
     TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model families (K 1792-3584,
-    out-features 4096-8192) and one with out-features not a multiple of 128, bias or none,
+    out-features 4096-8192), one with out-features not a multiple of 128 and, per tensor, one
+    with K past whole 128-deep blocks (208), bias or none,
     every FP8 tile shape among the calls (asserted); per tensor, every kernel on every call
     (the pick, the one-consumer or ping-pong kernel it did not pick, and where it runs the
     fitted kernel, its token extents and both modes taken in turn)."""
@@ -525,9 +526,9 @@ def test_fp8_gemm_matches_dequantized_reference():
               for bn, coop in ((16, False), (72, True), (136, False), (176, True))
               ] if fitted_gemm_available(dev) else []
     for dtype in (torch.bfloat16, torch.float16):
-        for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256)):
+        for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256), (1000, 208)):
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
-                for blocks in (False, True):
+                for blocks in (False, True) if k % 128 == 0 else (False,):
                     seed += 5
                     one = replace(one_consumer_tiles(layout, world, rows, n, 132),
                                   block_k=FP8_BLOCK_K)
