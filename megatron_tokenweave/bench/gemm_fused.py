@@ -135,7 +135,6 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         # The kernels the policy did not pick, timed beside the pick: the fitted one or the
         # Triton pick; in FP8 per tensor, where the Triton pick is the ping-pong kernel, the
         # one-consumer kernel's best tiles too.
-        block_k = FP8_BLOCK_K if fp8 else 64
         triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fp8=fp8)
         other = {}
         if fitted:
@@ -143,7 +142,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                      {"tokenweave_fitted": segments(
                          Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
                              fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
-                             block_k=block_k))})
+                             block_k=triton.tiles.block_k))})
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(

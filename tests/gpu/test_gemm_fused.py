@@ -313,16 +313,28 @@ def _skip_without_fitted():
         pytest.skip("the fitted GEMM needs an sm_90 GPU and the extension built for it")
 
 
+# (token extent, cooperative) of the fitted tiles the fitted kernel's tests force in turn.
+FITTED_SHAPES = ((16, False), (72, True), (136, False), (176, True))
+
+
+def _fitted_tiles(block_rows: int, cooperative: bool, block_k: int = 64):
+    """The fitted kernel's tiles of this token extent and mode (block_k: 128 for e4m3)."""
+    from megatron_tokenweave.ops.segments import GemmTiles
+
+    return GemmTiles(block_rows=block_rows, block_cols=256 if cooperative else 128,
+                     block_k=block_k, stages=0, warps=4, consumers=2, fitted=True,
+                     cooperative=cooperative)
+
+
 def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative, dtype,
                  bias_on, seed) -> str | None:
     """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`:
     None if every owner's slot holds exactly its rows, else what is wrong."""
-    from megatron_tokenweave.ops.segments import GemmTiles, segments
+    from megatron_tokenweave.ops.segments import segments
     from megatron_tokenweave.ops.validate import Layout
 
     dev = torch.device("cuda", 0)
-    tiles = GemmTiles(block_rows=block_rows, block_cols=256 if cooperative else 128, block_k=64,
-                      stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
+    tiles = _fitted_tiles(block_rows, cooperative)
     sp = layout is Layout.SEQUENCE_PARALLEL
     stride = rows + 5  # chunks of x apart by more than their rows (sequence parallel)
     seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, tiles=tiles, first=3,
@@ -397,8 +409,7 @@ def test_fitted_gemm_matches_reference():
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 4096), (4096, 1792), (3584, 2368), (1000, 200)):
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
-                for block_rows, cooperative in ((16, False), (72, True), (136, False),
-                                                (176, True)):
+                for block_rows, cooperative in FITTED_SHAPES:
                     seed += 1
                     bad = _fitted_case(inbox, layout, world, seed % world, rows, k, n,
                                        block_rows, cooperative, dtype, seed % 2 == 0, seed)
@@ -512,7 +523,6 @@ def test_fp8_gemm_matches_dequantized_reference():
         FP8_BLOCK_K,
         PINGPONG,
         TILES,
-        GemmTiles,
         one_consumer_tiles,
         segments,
     )
@@ -521,9 +531,7 @@ def test_fp8_gemm_matches_dequantized_reference():
     failures, cases, seed, seen, seen_fitted = [], 0, 100, set(), []
     worst = {"tensor": 0.0, "pingpong": 0.0, "fitted": 0.0, "blocks": 0.0}
     pingpong = replace(PINGPONG, block_k=FP8_BLOCK_K)
-    fitted = [GemmTiles(block_rows=bn, block_cols=256 if coop else 128, block_k=FP8_BLOCK_K,
-                        stages=0, warps=4, consumers=2, fitted=True, cooperative=coop)
-              for bn, coop in ((16, False), (72, True), (136, False), (176, True))
+    fitted = [_fitted_tiles(bn, coop, FP8_BLOCK_K) for bn, coop in FITTED_SHAPES
               ] if fitted_gemm_available(dev) else []
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256), (1000, 208)):
