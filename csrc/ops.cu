@@ -7,17 +7,18 @@
 //   fused_allreduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
 //                           ctas, path, tag, normed_scales!, scaling)
 //   gemm_reduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
-//                       ctas, segments, tag)
+//                       call, normed_scales!, scaling)
 //   fit_gemm(x, weight, bias?, regions, geometry, ctas, scales, out_dtype?): the GEMM-fused
 //       mechanism's row-parallel GEMM with tiles fitted to the call (fit_gemm.cuh), storing into
 //       the inboxes at `regions` (bf16/fp16 operands, or e4m3 ones with their two per-tensor
 //       scales and the rows' dtype); it takes no communicator (a benchmark's loopback inbox has
 //       none).
 // `tag` is the call's tag (signal.cuh: every rank passes the same for the same call; a peer on
-// another call is an error, never a combination of two calls' rows); `segments` the GEMM-fused
-// call's geometry as one list (SegmentGeometry); `normed_scales` / `scaling` describe FP8 normed
-// rows (fp8_rows_of; both empty for rows in the activations' dtype). partial is mutated too: the two-shot and
-// GEMM-fused replicated paths write y back into it.
+// another call is an error, never a combination of two calls' rows); `call` the GEMM-fused
+// consumer's call as one list: its geometry (SegmentGeometry), its CTA count and its tag
+// (consumer_call_of); `normed_scales` / `scaling` describe FP8 normed rows (fp8_rows_of; both
+// empty for rows in the activations' dtype). partial is mutated too: the two-shot and GEMM-fused
+// replicated paths write y back into it.
 // Nothing here reads the environment: a setting that changes the protocol must be the same on
 // every rank, so it is agreed once, in Python, and stored in the Communicator.
 // Schemas (vLLM style: mutated arguments annotated Tensor(a!)) are defined here; fake
@@ -316,11 +317,13 @@ struct SegmentGeometry {
   bool publish;
 };
 
-// The geometry from the op's list, checked against the call and the inbox (the one place).
+// The consumer's call list: its geometry, then its CTA count (the protocol's G: every rank's
+// CTA b takes the same rows) and its tag.
+constexpr size_t kConsumerCallWords = 8;
+
+// The geometry from the op's call list, checked against the call and the inbox (the one place).
 SegmentGeometry geometry_of(const Communicator& c, const FusedParams& p, int64_t elem_bytes,
                             at::IntArrayRef list) {
-  TW_CHECK(list.size() == 6, "tokenweave: segments must be [set, row0, seg_rows, block_rows, "
-           "col_tiles, publish], got ", list.size(), " entries");
   const SegmentGeometry g{list[0], list[1], list[2], list[3], list[4], list[5] != 0};
   TW_CHECK(c.inbox_data != 0, "tokenweave: the GEMM-fused path needs the communicator's "
            "inbox (comm_attach_inbox)");
@@ -597,15 +600,21 @@ void fused_allreduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tens
 // The GEMM-fused path's consumer: y = sum of the P slots of this rank's inbox rows + residual
 // -> residual_out; RMSNorm(y) * weight -> normed_out (sequence parallel: stored to every rank;
 // replicated: y to every rank's `partial` rows, then each rank normalizes all rows locally).
-// `segments`: the call's SegmentGeometry as a list; `tag`: the call's tag (its GEMM's too).
+// `call`: the call's SegmentGeometry, CTA count and tag (its GEMM's too) as one list; normed
+// rows in FP8 as the fused op writes them (replicated layout: the local normalization's rows).
 void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& residual,
                       const std::optional<at::Tensor>& weight, double eps,
                       at::Tensor& residual_out, const std::optional<at::Tensor>& normed_out,
-                      int64_t ctas, at::IntArrayRef segments, int64_t tag) {
+                      at::IntArrayRef call, at::TensorList normed_scales,
+                      at::ArrayRef<double> scaling) {
   const Communicator& c = comm_of(handle);
-  const FusedParams p =
-      make_params(c, partial, residual, weight, eps, residual_out, normed_out, ctas, tag);
-  const SegmentGeometry g = geometry_of(c, p, partial.element_size(), segments);
+  TW_CHECK(call.size() == kConsumerCallWords, "tokenweave: the consumer's call must be [set, "
+           "row0, seg_rows, block_rows, col_tiles, publish, ctas, tag], got ", call.size(),
+           " entries");
+  const int64_t ctas = call[6];
+  const FusedParams p = make_params(c, partial, residual, weight, eps, residual_out, normed_out,
+                                    ctas, call[7], normed_scales, scaling);
+  const SegmentGeometry g = geometry_of(c, p, partial.element_size(), call);
   on_stream(partial, p, [&](auto t, cudaStream_t stream) {
     launch_gemm_reduce<decltype(t)>(c, p, ctas, g, stream);
   });
@@ -759,8 +768,8 @@ TORCH_LIBRARY(tokenweave, m) {
       "int tag, Tensor(d!)[] normed_scales, float[] scaling) -> ()");
   m.def(
       "gemm_reduce_rmsnorm(int comm, Tensor(a!) partial, Tensor residual, Tensor? weight, "
-      "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int ctas, int[] segments, "
-      "int tag) -> ()");
+      "float eps, Tensor(b!) residual_out, Tensor(c!)? normed_out, int[] call, "
+      "Tensor(d!)[] normed_scales, float[] scaling) -> ()");
   m.def(
       "fit_gemm(Tensor x, Tensor weight, Tensor? bias, int[] regions, int[] geometry, int ctas, "
       "Tensor[] scales, ScalarType? out_dtype) -> ()");

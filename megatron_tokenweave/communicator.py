@@ -35,7 +35,7 @@ from megatron_tokenweave.kernels.comm import KernelSettings
 from megatron_tokenweave.log import log_once
 from megatron_tokenweave.ops.collectives import allreduce_add_rmsnorm_collectives
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
-from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, Fp8Rows, scale_stride
+from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, scale_stride
 from megatron_tokenweave.ops.gemm_emulation import reduce_owned, store_to_owners
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.segments import SETS, Segments, slot_rows
@@ -293,8 +293,7 @@ class Communicator:
         normed_out: [C, n, H] with dense rows and any chunk stride: the normed rows of every
             chunk, on every rank. On the kernel backend it must lie in `self.normed`. Or, in
             the replicated layout, FP8 rows (ops.fp8_rows.Fp8Rows: any device memory), the
-            normed rows quantized as the next linear's FP8 quantizer would (not with
-            comm="gemm").
+            normed rows quantized as the next linear's FP8 quantizer would.
         ctas: CTAs the kernel may use (the other backends ignore it).
         comm: "fused" (the backend's own mechanism), "copy_engine" (the kernel's copy-engine
             data path: prepare_copy_engine() first; on other backends the same as "fused"), or
@@ -316,9 +315,6 @@ class Communicator:
         if phase == "transfer" and not copy_engine:
             return
         if comm == "gemm":
-            if isinstance(normed_out, Fp8Rows):
-                raise TokenWeaveInputError("the GEMM-fused consumer writes normed rows in the "
-                                           "activations' dtype, not FP8 rows")
             self._reduce_owned(partial, residual, weight, eps, residual_out, normed_out, layout,
                                segments, set_index, ctas, call, validate)
             return

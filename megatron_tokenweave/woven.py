@@ -194,8 +194,9 @@ class WovenForward:
 
     def fp8_target(self, column: torch.nn.Module | None) -> Any | None:
         """The input quantizer of `column`, the linear after a stage's fused ops, where those
-        ops write its input in FP8 (ops.fp8_rows: replicated layout, this call in FP8, the
-        workspace made); None: they write bf16 rows."""
+        ops (the GEMM-fused mechanism's consumers too) write its input in FP8 (ops.fp8_rows:
+        replicated layout, this call in FP8, the workspace made); None: they write bf16 rows,
+        the linear quantizes them itself."""
         if not self.fp8 or column is None or self.layout is not Layout.REPLICATED:
             return None
         quantizer = fp8_gemm.fused_quantizer(column)

@@ -20,12 +20,15 @@ from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduc
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.segments import (
+    FIT_FP8_MIN_K,
+    FIT_MIN_CALL,
     FP8_BLOCK_K,
     FP8_SCALINGS,
     LARGE,
     SMALL,
     WIDE,
     estimated_time,
+    fitted_tiles,
     segments,
     tiles_for,
 )
@@ -92,31 +95,37 @@ def test_checks_refuse_what_the_kernel_cannot_take(blocks):
 @pytest.mark.parametrize("layout", [Layout.REPLICATED, Layout.SEQUENCE_PARALLEL])
 @pytest.mark.parametrize("world", [2, 8])
 def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
-    """Per-tensor scales: the 16-bit Triton pick (ping-pong where it would take the call; the
-    fitted kernel's e4m3 form only where forced, until measured); block scales: the fastest
-    one-consumer tiles by estimated time; both with K blocks of FP8_BLOCK_K, never fitted."""
+    """Per-tensor scales: the 16-bit pick (ping-pong where it would take the call, the fitted
+    kernel where its wave rule says so), and the fitted kernel also over more than
+    FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode; block scales: the fastest
+    one-consumer tiles by estimated time, never fitted; all with K blocks of FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
     for rows, (hidden, k, ctas), fitted in itertools.product(
             (1, 7, 129, 513, 777, 1031, 4096, 8192), ((4096, 1792, 132), (8192, 3584, 132),
                                                       (5120, 3584, 8)), (False, True)):
-        sixteen = tiles_for(layout, world, rows, hidden, k, ctas)
+        sixteen = tiles_for(layout, world, rows, hidden, k, ctas, fitted=fitted)
+        fit = fitted_tiles(layout, world, rows, hidden, ctas)
+        call_rows = rows * (world if layout is Layout.SEQUENCE_PARALLEL else 1)
+        long_k = (fitted and call_rows >= FIT_MIN_CALL and k > FIT_FP8_MIN_K
+                  and not fit.cooperative)
         for scaling in FP8_SCALINGS:
             t = tiles_for(layout, world, rows, hidden, k, ctas, fitted=fitted, fp8=scaling)
-            assert t.block_k == FP8_BLOCK_K and not t.fitted
+            assert t.block_k == FP8_BLOCK_K
             if scaling == "tensor":
-                assert t == replace(sixteen, block_k=FP8_BLOCK_K)
-                picked[scaling].add(t.consumers)
+                assert t == replace(fit if long_k else sixteen, block_k=FP8_BLOCK_K)
+                picked[scaling].add("long K" if long_k and not sixteen.fitted else
+                                    "fitted" if t.fitted else t.consumers)
             else:
                 best = min(estimated_time(c, layout, world, rows, hidden, ctas)
                            for c in (LARGE, WIDE, SMALL))
-                assert t.consumers == 1
+                assert t.consumers == 1 and not t.fitted
                 assert estimated_time(t, layout, world, rows, hidden, ctas) == best
                 picked[scaling].add((t.block_rows, t.block_cols))
             seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas, fitted=fitted,
                            fp8=scaling)
             assert seg.tiles == t
     assert len(picked["blocks"]) >= 2, picked
-    assert picked["tensor"] == {1, 2}, picked
+    assert picked["tensor"] == {1, 2, "fitted", "long K"}, picked
 
 
 def test_fp8_scaling_must_be_named():

@@ -1,8 +1,9 @@
 """FP8 normed rows (ops.fp8_rows) on CPU: the reference quantization's properties on random rows,
 its argument checks, and the fused op writing FP8 rows on the reference and collectives
-mechanisms (2 gloo ranks) equal, bit for bit, to the quantization of the same call's rows in
-the activations' dtype. The CUDA kernel's rows are checked against this reference (and TE's
-quantizers) in tests/gpu/test_fp8_rows_gpu.py."""
+mechanisms and the GEMM-fused consumer (its emulation; 2 gloo ranks) equal, bit for bit, to
+the quantization of the same call's rows in the activations' dtype. The CUDA kernels' rows are
+checked against this reference (and TE's quantizers) in tests/gpu/test_fp8_rows_gpu.py and
+tests/gpu/test_gemm_fused.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megatron_tokenweave.ops.fp8_rows import (
     block_scales,
     scale_stride,
 )
+from megatron_tokenweave.ops.segments import segments
 from megatron_tokenweave.ops.validate import TokenWeaveInputError, check_fused_args
 
 EPS = 1e-5
@@ -127,20 +129,29 @@ def _op_worker(rank: int, world: int) -> list[str]:
 
     failures = []
     for index, (n, hidden, dtype, comm) in enumerate(itertools.product(
-            (1, 3, 17), (128, 256), (torch.bfloat16, torch.float16), ("fused", "collectives"))):
+            (1, 3, 17), (128, 256), (torch.bfloat16, torch.float16),
+            ("fused", "collectives", "gemm"))):
         gen = torch.Generator().manual_seed(50 + index)
         partials = torch.randn(world, 1, n, hidden, generator=gen).to(dtype)
         residual = torch.randn(n, hidden, generator=gen).to(dtype)
         weight = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
         ws = Communicator(dist.group.WORLD, n, hidden, dtype, torch.device("cpu"), "reference")
+        seg = None
+        if comm == "gemm":  # the GEMM-fused consumer: partial sums of x @ w^T in the inbox
+            ws.prepare_gemm()
+            x = torch.randn(world, n, 64, generator=gen).to(dtype)[rank]
+            w = (torch.randn(world, hidden, 64, generator=gen) / 8).to(dtype)[rank]
+            seg = segments(Layout.REPLICATED, world, n, hidden=hidden, k=64, ctas=1)
         outs = []
         for normed in (torch.full((1, n, hidden), float("nan"), dtype=dtype),
                        _blocks(n, hidden), _tensor(n, hidden, 3.0, 0.5)):
             partial = ws.partial[:n].view(1, n, hidden)
             partial.copy_(partials[rank])
+            if seg is not None:
+                ws.row_gemm(x, w, None, seg, 0, ctas=1)
             res = torch.full_like(residual, float("nan"))
             ws.allreduce_rmsnorm(partial, residual, weight, EPS, res, normed, Layout.REPLICATED,
-                                 comm=comm)
+                                 comm=comm, segments=seg)
             outs.append((res, normed))
         (res_t, normed_t), *fp8s = outs
         for res, rows in fp8s:

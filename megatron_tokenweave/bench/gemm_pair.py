@@ -140,7 +140,8 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
     GEMM on `ctas` CTAs, default the agreed SMs less CTAS_BESIDE when split, `tiles` and
     `release` forced, else the policy's; else torch.matmul into the communicator's buffer),
     then its op (on `side` when split, beside the next half's GEMM); residual, residual_out
-    [n, H], normed [chunks, n, H] (None without a norm); half i's GEMM and op are call
+    [n, H], normed [chunks, n, H] (None without a norm; unsplit and replicated, also FP8 rows:
+    ops.fp8_rows.Fp8Rows, whose scales belong to one call); half i's GEMM and op are call
     `call` * 2 + i (as the layer numbers them). The segments each communicating GEMM took, in
     half order."""
     chunks, world = x.shape[0], dist.get_world_size(comm.group)
@@ -166,7 +167,7 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
                 part.add_(bias)
         rows = slice(h.offset, h.offset + h.rows)
         args = (part, residual[rows], norm, EPS, residual_out[rows],
-                h.of(normed) if normed is not None else None, layout)
+                h.of(normed) if split and normed is not None else normed, layout)
         op = dict(comm="gemm" if gemm else "fused", segments=seg, set_index=i,
                   call=call * 2 + i, validate=validate)
         if not split:

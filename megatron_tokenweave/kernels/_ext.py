@@ -61,8 +61,8 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("tokenweave::gemm_reduce_rmsnorm")
-    def _gemm_reduce_fake(comm, partial, residual, weight, eps, residual_out, normed_out, ctas,
-                          segments, tag):
+    def _gemm_reduce_fake(comm, partial, residual, weight, eps, residual_out, normed_out, call,
+                          normed_scales, scaling):
         return None
 
     @torch.library.register_fake("tokenweave::fit_gemm")

@@ -4,7 +4,8 @@ KernelComm creates the C++ object (csrc/ops.cu: comm_create) with the buffer's a
 protocol settings, and launches the ops through it: `torch.ops.tokenweave.
 fused_allreduce_rmsnorm(handle, tensors, eps, ctas, path, tag, normed_scales, scaling)`
 (the last two describe FP8 normed rows, ops.fp8_rows) and the GEMM-fused consumer
-`gemm_reduce_rmsnorm(handle, tensors, eps, ctas, segments, tag)`. `tag` names the call
+`gemm_reduce_rmsnorm(handle, tensors, eps, call, normed_scales, scaling)` (`call`: the segments'
+geometry, the CTA count and the tag as one list). `tag` names the call
 (`call_tag`: the caller's call number hashed with the call's shape), and a peer whose kernel
 publishes another call's tag or epoch is an error (csrc/include/tokenweave/signal.cuh), never two
 calls' rows combined. Settings that change the protocol (bulk pipeline, one-shot path, timeout,
@@ -220,21 +221,26 @@ class KernelComm:
 
     def reduce_owned(self, partial: torch.Tensor, residual: torch.Tensor,
                      weight: torch.Tensor | None, eps: float, residual_out: torch.Tensor,
-                     normed_out: torch.Tensor | None, layout: Layout, seg: Segments,
+                     normed_out: torch.Tensor | Fp8Rows | None, layout: Layout, seg: Segments,
                      set_index: int, *, ctas: int = DEFAULT_CTAS, call: int = 0,
                      validate: bool = True) -> None:
         """The GEMM-fused mechanism's consumer (gemm_reduce.cuh) for the call whose GEMM stored
         `seg` into inbox set `set_index` (attach_inbox first) with the same `call`: the fused
-        op's contract for the outputs; `partial` is the call's [chunks, rows, hidden] region of
-        the buffer (replicated: every owner's y rows land there). Where seg.release is
-        "consumer", it first publishes this rank's tiles of the GEMM before it on the stream."""
+        op's contract for the outputs (FP8 normed rows included); `partial` is the call's
+        [chunks, rows, hidden] region of the buffer (replicated: every owner's y rows land
+        there). Where seg.release is "consumer", it first publishes this rank's tiles of the
+        GEMM before it on the stream."""
         if validate:
             check_kernel_args(partial, residual, weight, residual_out, normed_out, layout,
                               self.buffer, ctas)
         hidden = partial.shape[-1]
+        tag = self.gemm_tag(call, seg, set_index, hidden) or 1  # 1: unchecked
+        scales, scaling = _NO_SCALES
+        if isinstance(normed_out, Fp8Rows):
+            (scales, scaling), normed_out = normed_out.op_args(), normed_out.data
         self._reduce_owned(self.handle, partial, residual, weight, float(eps), residual_out,
-                           normed_out, ctas, seg.geometry(set_index, hidden),
-                           self.gemm_tag(call, seg, set_index, hidden) or 1)  # 1: unchecked
+                           normed_out, [*seg.geometry(set_index, hidden), ctas, tag], scales,
+                           scaling)
 
     def _check(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,

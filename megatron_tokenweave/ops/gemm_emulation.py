@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
+from megatron_tokenweave.ops.fp8_rows import Fp8Rows, write_replicated
 from megatron_tokenweave.ops.reference import rms_norm_fp32
 from megatron_tokenweave.ops.segments import Segments
 from megatron_tokenweave.ops.validate import Layout
@@ -46,10 +47,11 @@ def store_to_owners(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def reduce_owned(inbox: torch.Tensor, seg: Segments, partial: torch.Tensor,
                  residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                 residual_out: torch.Tensor, normed_out: torch.Tensor | None, layout: Layout,
-                 group: dist.ProcessGroup) -> None:
+                 residual_out: torch.Tensor, normed_out: torch.Tensor | Fp8Rows | None,
+                 layout: Layout, group: dist.ProcessGroup) -> None:
     """The owner's reduction of this call's rows; the fused op's contract for the outputs
-    (`partial` gives the call's [chunks, rows, hidden] shape and dtype)."""
+    (FP8 normed rows included; `partial` gives the call's [chunks, rows, hidden] shape and
+    dtype)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _, rows, hidden = partial.shape
     n = seg.length(rank)
@@ -73,4 +75,4 @@ def reduce_owned(inbox: torch.Tensor, seg: Segments, partial: torch.Tensor,
     y_all = every[:rows]
     residual_out.copy_(y_all)
     if weight is not None:
-        normed_out[0].copy_(rms_norm_fp32(y_all.float(), weight, eps).to(partial.dtype))
+        write_replicated(normed_out, rms_norm_fp32(y_all.float(), weight, eps).to(partial.dtype))

@@ -63,9 +63,11 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # tiles' 64 and the blockwise recipe's scale block (ops/fp8_operands.py). Scaled per tensor
 # ("tensor") the 16-bit pick, the ping-pong kernel (measured faster than the one-consumer tiles
 # at 211 of the 250 Llama-shard points where the 16-bit rules pick it, one H200, docs/kernel.md
-# "FP8 operands"); the fitted kernel's e4m3 form is not picked until measured (bench gemm_fused
-# times it beside the pick); in blocks ("blocks") the one-consumer tiles only (each K block's
-# product is scaled before it is added).
+# "FP8 operands"), and the fitted kernel where FIT_BELOW says so or, over more than
+# FIT_FP8_MIN_K in-features, where it runs its ping-pong mode (long K loops of many tiles per
+# CTA: there the Triton ping-pong kernel's e4m3 main loop measured 0.72-0.92x of cuBLAS, the
+# fitted kernel's 0.92-1.07x, one H100, docs/kernel.md "FP8 operands"); in blocks ("blocks")
+# the one-consumer tiles only (each K block's product is scaled before it is added).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
@@ -89,8 +91,8 @@ RELEASES = ("gemm", "consumer")
 CONSUMER_RELEASE_MAX_WORK = 2.0
 # The fitted kernel (csrc/include/tokenweave/fit_gemm.cuh, sm_90): tiles of 128 weight rows
 # (ping-pong) or 256 (cooperative) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
-# its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor (forced
-# tiles only, until measured). Measured on one H200 (docs/kernel.md, "The fitted kernel"):
+# its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor. Measured
+# on one H200 (docs/kernel.md, "The fitted kernel"):
 # - the token extent: the fewest waves x (extent + FIT_TILE_COST), a tile's fixed cost in tokens
 #   (the largest extent on ties: fewer, fuller tiles);
 # - cooperative where its tiles take at most FIT_COOP_MAX_WAVES waves of at least
@@ -106,6 +108,7 @@ FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
 FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
+FIT_FP8_MIN_K = 2048
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -172,19 +175,21 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two").
     fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
     at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW.
-    fp8: e4m3 operands scaled as FP8_SCALINGS names: per tensor the Triton pick by the same
-    rules (the fitted kernel's e4m3 form joins it once measured), in blocks the fastest
-    one-consumer tiles by `estimated_time` (the only kernel that scales each K block); with
-    FP8_BLOCK_K-deep K blocks."""
+    fp8: e4m3 operands scaled as FP8_SCALINGS names: per tensor the same rules, and the
+    fitted kernel also over more than FIT_FP8_MIN_K in-features where its tiles take its
+    ping-pong mode; in blocks the fastest one-consumer tiles by `estimated_time` (the only
+    kernel that scales each K block); with FP8_BLOCK_K-deep K blocks."""
     if fp8 is not None and fp8 not in FP8_SCALINGS:
         raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
     if fp8 == "blocks":
         return replace(one_consumer_tiles(layout, world, rows, hidden, ctas),
                        block_k=FP8_BLOCK_K)
     picked = _triton_tiles(layout, world, rows, hidden, k, ctas)
-    if (fitted and fp8 is None and _call_rows(layout, world, rows) >= FIT_MIN_CALL
-            and wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW):
-        picked = fitted_tiles(layout, world, rows, hidden, ctas)
+    if fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL:
+        fit = fitted_tiles(layout, world, rows, hidden, ctas)
+        if (wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW
+                or (fp8 is not None and k > FIT_FP8_MIN_K and not fit.cooperative)):
+            picked = fit
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
 
 

@@ -20,6 +20,9 @@ each rank computes from every rank's inputs (fp32 GEMMs rounded like the kernel'
 - a peer that never issues its GEMM (nor its consumer), with either release: the others'
   consumers give up (NaN outputs) and the communicator's error names the GEMM-fused reduction,
   the peer and the row block;
+- replicated calls with the norm, one half: the consumer writing FP8 rows (1 x 128 blocks, one
+  known scale) bit-exact against the reference quantization of its rows in the activations'
+  dtype;
 - the inbox's kind of buffer (a SymmetricBuffer without header): zeroed, no error words.
 Where the fitted CUDA kernel runs (sm_90), the policy gives it the calls just past a wave of the
 Triton tiles among these (asserted: both of its modes), and a second graph is a call it takes.
@@ -120,18 +123,20 @@ class Case:
         self.releases: set = set()  # and who published them
         self.last_releases: set = set()  # who published the last call's
 
-    def run(self, gemm_ctas: int | None = None, release: str | None = None) -> None:
+    def run(self, gemm_ctas: int | None = None, release: str | None = None,
+            normed=None) -> None:
         """The layer's sequence (bench.gemm_pair.woven_linear): per half, its GEMM (on
         gemm_ctas CTAs, default the SMs left beside the consumer; `release` forced, else the
         policy's), then its consumer (on the side stream when split, beside the next half's
-        GEMM)."""
+        GEMM), writing the normed rows into `normed` (default self.normed)."""
         from megatron_tokenweave.bench.gemm_pair import woven_linear
 
+        if normed is None and self.norm is not None:
+            normed = self.normed
         taken = woven_linear(
             self.comm, self.layout, self.x.view(self.chunks, self.n, -1), self.w,
             self.bias if self.rank == 0 else None, self.halves, self.residual, self.norm,
-            self.residual_out, self.normed if self.norm is not None else None, self.side,
-            gemm=True, ctas=gemm_ctas, release=release)
+            self.residual_out, normed, self.side, gemm=True, ctas=gemm_ctas, release=release)
         self.tiles.update(seg.tiles for seg in taken)
         self.last_releases = {seg.release for seg in taken}
         self.releases.update(self.last_releases)
@@ -151,6 +156,45 @@ class Case:
             normed = self.normed.reshape(-1, hidden).float()
             assert not normed.isnan().any(), f"{what}: normed rows left unwritten"
             within(normed, self.normed_want, self.normed_slack, f"{what}: normed")
+
+    def check_fp8_rows(self, what: str) -> None:
+        """Replicated, with the norm, one half: the call run again with its consumer writing
+        FP8 rows (1 x 128 blocks with power-of-two scales, and one known scale with its amax;
+        poisoned first) equals, bit for bit, the reference quantization (Fp8Rows.quantize) of
+        the rows a policy-picked call wrote in the activations' dtype; residual_out the same."""
+        from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE, Fp8Rows, scale_stride
+
+        n, hidden, dev = self.n, self.comm.hidden, self.comm.device
+        self.poison()
+        self.run()
+        torch.cuda.synchronize()
+        want, want_res = self.normed[0].clone(), self.residual_out.clone()
+        assert not want.isnan().any(), f"{what}: normed rows left unwritten"
+
+        def poisoned(blocks: bool) -> Fp8Rows:
+            data = torch.full((1, n, hidden), 0x7F, dtype=torch.uint8, device=dev)
+            nan = torch.full((1,), float("nan"), device=dev)
+            if blocks:
+                return Fp8Rows.blockwise(data.view(FP8_DTYPE), torch.full(
+                    (hidden // 128, scale_stride(n)), float("nan"), device=dev), pow2=True)
+            return Fp8Rows.tensor_scaled(data.view(FP8_DTYPE), torch.tensor([2.3], device=dev),
+                                         torch.tensor([0.25], device=dev), nan)
+
+        for blocks in (True, False):
+            rows, ref = poisoned(blocks), poisoned(blocks)
+            ref.quantize(want)
+            self.residual_out.fill_(float("nan"))
+            self.run(normed=rows)
+            torch.cuda.synchronize()
+            case = f"{what} FP8 {'blocks' if blocks else 'tensor'}"
+            assert torch.equal(self.residual_out.view(torch.int16), want_res.view(torch.int16)), \
+                f"{case}: residual_out"
+            bad = rows.data.view(torch.uint8) != ref.data.view(torch.uint8)
+            assert not bad.any(), f"{case}: {int(bad.sum())} of {bad.numel()} FP8 bytes differ"
+            got_sinv = rows.scale_inv[:, :n] if blocks else rows.scale_inv
+            want_sinv = ref.scale_inv[:, :n] if blocks else ref.scale_inv
+            assert torch.equal(got_sinv, want_sinv), f"{case}: scale_inv"
+            assert blocks or torch.equal(rows.amax, ref.amax), f"{case}: amax"
 
 
 def _cases(comm, seed0: int):
@@ -247,7 +291,7 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
     group = dist.group.WORLD
     from megatron_tokenweave.ops.segments import LARGE, PINGPONG, RELEASES, SMALL, WIDE
 
-    t0, ncases = time.time(), 0
+    t0, ncases, fp8_cases = time.time(), 0, 0
     eager, tiles, releases = {}, set(), set()
     for (_, hidden), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         comm = Communicator(group, MAX_TOKENS, hidden, dtype, dev, "kernel")
@@ -266,6 +310,9 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                            f"K={case.x.shape[1]} H={hidden} halves={len(case.halves)} "
                            f"bias={case.bias is not None} norm={case.norm is not None} "
                            f"call {repeat} release={sorted(case.last_releases)}")
+            if not case.sp and case.norm is not None and len(case.halves) == 1:
+                case.check_fp8_rows(f"{world}-rank rank {rank} {dtype} n={case.n} H={hidden}")
+                fp8_cases += 1
             ncases += 1
         eager[(hidden, dtype)] = (comm, cases)
         tiles.update(*(case.tiles for case in cases))
@@ -284,8 +331,9 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
     for release in RELEASES:
         _peer_never_arrives(group, rank, world, dev, release)
     _headerless_buffer(group, dev)
-    print(f"[rank {rank}/{world}] GEMM-fused protocol OK: {ncases} cases, {replays} graph "
-          f"replays, {time.time() - t0:.1f}s", flush=True)
+    assert fp8_cases > 0
+    print(f"[rank {rank}/{world}] GEMM-fused protocol OK: {ncases} cases ({fp8_cases} also "
+          f"writing FP8 rows), {replays} graph replays, {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
 
 
@@ -440,7 +488,7 @@ def test_fitted_gemm_launcher_refuses_bad_input():
     x = torch.randn(300, 256, device=dev, dtype=torch.bfloat16)
     w = torch.randn(512, 256, device=dev, dtype=torch.bfloat16)
     bad = [(x.float(), w, seg, "bf16 or fp16"), (x[:, :100].contiguous(), w[:, :100].contiguous(),
-                                                 seg, "multiples of 8"),
+                                                 seg, "K a multiple of 8"),
            (x, w, replace(seg, tiles=replace(tiles, block_rows=184)), "multiple of 8 tokens"),
            (x[:200], w, seg, "x has 200"), (x, w, replace(seg, row0=1000), "a slot has")]
     for xx, ww, ss, match in bad:
