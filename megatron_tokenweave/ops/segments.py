@@ -65,9 +65,9 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # at 211 of the 250 Llama-shard points where the 16-bit rules pick it, one H200, docs/kernel.md
 # "FP8 operands"), and the fitted kernel where FIT_BELOW says so or, over more than
 # FIT_FP8_MIN_K in-features, where it runs its ping-pong mode (long K loops of many tiles per
-# CTA: there the Triton ping-pong kernel's e4m3 main loop measured 0.72-0.92x of cuBLAS, the
-# fitted kernel's 0.92-1.07x, one H100, docs/kernel.md "FP8 operands"); in blocks ("blocks")
-# the one-consumer tiles only (each K block's product is scaled before it is added).
+# CTA; chosen from a sweep on one H100 whose file was not kept, its re-measurement owed:
+# docs/kernel.md "FP8 operands"); in blocks ("blocks") the one-consumer tiles only (each K
+# block's product is scaled before it is added).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
@@ -186,10 +186,12 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
                        block_k=FP8_BLOCK_K)
     picked = _triton_tiles(layout, world, rows, hidden, k, ctas)
     if fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL:
-        fit = fitted_tiles(layout, world, rows, hidden, ctas)
-        if (wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW
-                or (fp8 is not None and k > FIT_FP8_MIN_K and not fit.cooperative)):
-            picked = fit
+        # The fitted tiles are worked out only where they may be taken (a per-call host cost).
+        if wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW:
+            picked = fitted_tiles(layout, world, rows, hidden, ctas)
+        elif fp8 is not None and k > FIT_FP8_MIN_K:
+            fit = fitted_tiles(layout, world, rows, hidden, ctas)
+            picked = picked if fit.cooperative else fit
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
 
 
