@@ -55,7 +55,8 @@
 #   gemm_sweep  the communicating GEMM against cuBLAS / TE (bench gemm_fused's default sweep:
 #          23 counts, every dense family, TP 2/4/8, 10 replays; TE rows where `stage.sh te` was
 #          carried), bf16 (~6 min); gemm_sweep_fp16 the same in fp16
-#   gemm_fp8  the communicating GEMM's FP8 forms: their GPU tests (loopback inbox), then bench
+#   gemm_fp8  the communicating GEMM's FP8 forms: their GPU tests (loopback inbox; operands in
+#          padded rows among them), then bench
 #          gemm_fused's default sweep with e4m3 operands scaled per tensor against cuBLAS's FP8
 #          GEMM, the one-consumer tiles beside the pick where the pick is the ping-pong kernel
 #          (~6 min); gemm_fp8_blocks the same sweep with TE's blockwise scales
@@ -73,10 +74,11 @@
 #   calls  the kernel protocol with 2, 4 and 8 ranks sharing one GPU, the divergence checks (a
 #          rank that misses a call) among them, then what the call check costs the one-shot
 #          path (bench call_check)
-#   gemm_diag  where the communicating GEMM falls short of cuBLAS: each tile shape forced and
-#          cuBLAS over the covered rows (bench gemm_fused --breakdown) at the counts just past a
-#          wave of tiles that the sweep found short (513-5003), three families' shards at TP 2
-#          and 8 (what the ping-pong wave estimate's fix and a split tail would be judged on)
+#   gemm_diag  where the communicating GEMM falls short of cuBLAS: each Triton tile shape and
+#          each fitted extent and mode forced, cuBLAS over the covered rows (bench gemm_fused
+#          --breakdown) at the counts the sweep found short (512-1279, 5003), the shards that
+#          were shortest (Llama-3-8B, Qwen2.5-7B, Qwen2.5-72B) at TP 2 and 8, one JSON per
+#          family (a run cut at its limit keeps the families before)
 #   fp8    FP8 through the woven layer with ranks sharing one GPU (`stage.sh te` carried): GPTModel
 #          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
 #          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
@@ -113,7 +115,7 @@ case "$phase" in
   gemm_fp8|gemm_fp8_blocks)
     dt=fp8; [ "$phase" = gemm_fp8 ] || dt=fp8_blocks
     [ "$dt" = fp8_blocks ] || TAIL=8 step gemm_fp8_test 300 python -m pytest -x -v -s \
-      tests/gpu/test_gemm_fused.py -k fp8
+      tests/gpu/test_gemm_fused.py -k "fp8 or padded_rows"
     TAIL=4 step "gemm_sweep_$dt" 560 python -m megatron_tokenweave.bench gemm_fused \
       --dtypes "$dt" --iters 10 --out "$out/gemm_fused_1gpu_$dt.json"
     ;;
@@ -282,9 +284,11 @@ case "$phase" in
       --out "$out/call_check_1gpu.json"
     ;;
   gemm_diag)
-    TAIL=70 step gemm_diag 420 python -m megatron_tokenweave.bench gemm_fused --breakdown \
-      --models llama-3.3-70b llama-3-8b qwen2.5-32b --tp 2 8 --tokens 513 641 777 1279 3001 5003 \
-      --iters 10 --out "$out/gemm_diag_1gpu.json"
+    for m in llama-3-8b qwen2.5-7b qwen2.5-72b; do
+      TAIL=30 step "gemm_diag_$m" 180 python -m megatron_tokenweave.bench gemm_fused --breakdown \
+        --models "$m" --tp 2 8 --tokens 512 513 641 777 1024 1279 5003 --iters 10 \
+        --out "$out/gemm_diag_1gpu_$m.json"
+    done
     ;;
   serve_hybrid)
     TAIL=14 step serve_hybrid 560 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \

@@ -630,9 +630,8 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas,
               at::TensorList scales, std::optional<at::ScalarType> out_dtype) {
-  TW_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
-               weight.is_contiguous() && weight.device() == x.device(),
-           "tokenweave: fit_gemm takes contiguous 2-D x and weight on one CUDA device");
+  TW_CHECK(x.is_cuda() && x.dim() == 2 && weight.dim() == 2 && weight.device() == x.device(),
+           "tokenweave: fit_gemm takes 2-D x and weight on one CUDA device");
   const auto in = x.scalar_type();
   const bool fp8 = in == at::kFloat8_e4m3fn;
   TW_CHECK((in == at::kBFloat16 || in == at::kHalf || fp8) && weight.scalar_type() == in,
@@ -654,8 +653,16 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   TW_CHECK(k % k_align == 0 && n_out % kVecElems == 0 && k > 0 && n_out > 0,
            "tokenweave: fit_gemm: in-features must be a positive multiple of ", k_align,
            " and out-features of 8 (16-byte rows), got ", k, " and ", n_out);
-  check_aligned(x, "x");
-  check_aligned(weight, "weight");
+  // Rows of an operand: contiguous, a multiple of 16 bytes apart (a TMA stride), at least K.
+  const auto check_rows = [k](const at::Tensor& t, const char* name) {
+    check_aligned(t, name);
+    TW_CHECK(t.stride(1) == 1 && t.stride(0) >= k && (t.stride(0) * t.element_size()) %
+                 kVecBytes == 0,
+             "tokenweave: fit_gemm: ", name, "'s rows must be contiguous, at least K apart and "
+             "a multiple of 16 bytes apart; got strides (", t.stride(0), ", ", t.stride(1), ")");
+  };
+  check_rows(x, "x");
+  check_rows(weight, "weight");
   if (bias) {
     TW_CHECK(bias->device() == x.device() && bias->scalar_type() == dt &&
                  bias->is_contiguous() && bias->numel() == n_out,
@@ -730,9 +737,10 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   const auto run = [&](auto t, auto o) {
     using T = decltype(t);
     using In = decltype(o);
-    return coop ? fit::launch<T, In, true>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b, g,
-                                           stream)
-                : fit::launch<T, In, false>(x.data_ptr(), x.size(0), weight.data_ptr(), p, b, g,
+    return coop ? fit::launch<T, In, true>(x.data_ptr(), x.size(0), x.stride(0),
+                                           weight.data_ptr(), weight.stride(0), p, b, g, stream)
+                : fit::launch<T, In, false>(x.data_ptr(), x.size(0), x.stride(0),
+                                            weight.data_ptr(), weight.stride(0), p, b, g,
                                             stream);
   };
   const bool bf16 = dt == at::kBFloat16;

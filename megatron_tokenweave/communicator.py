@@ -47,6 +47,7 @@ from megatron_tokenweave.ops.validate import (
     Phase,
     TokenWeaveInputError,
     check_fused_args,
+    check_gemm_operands,
     check_phase,
 )
 
@@ -424,8 +425,10 @@ class Communicator:
             raise TokenWeaveInputError("the GEMM-fused mechanism needs prepare_gemm() first")
         if set_index not in range(SETS):
             raise TokenWeaveInputError(f"set_index must be 0 or 1, got {set_index!r}")
-        if x.dim() != 2 or weight.dim() != 2 or not (x.is_contiguous() and weight.is_contiguous()):
-            raise TokenWeaveInputError("row_gemm takes a contiguous x [rows, K] and weight [H, K]")
+        if x.dim() == 2 and x.shape[1] * x.element_size() % 16:
+            raise TokenWeaveInputError(
+                f"row_gemm: K = {x.shape[1]} {x.dtype} elements are not whole 16-byte vectors")
+        check_gemm_operands(x, weight, "row_gemm")
         if fp8 is not None:
             fp8.check(x, weight)
         elif x.dtype != self.dtype or weight.dtype != self.dtype:
@@ -441,9 +444,6 @@ class Communicator:
             raise TokenWeaveInputError(
                 f"row_gemm: weight must be [{self.hidden}, {x.shape[1]}] and bias [{self.hidden}], "
                 f"got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
-        if x.shape[1] * x.element_size() % 16:
-            raise TokenWeaveInputError(
-                f"row_gemm: K = {x.shape[1]} {x.dtype} elements are not whole 16-byte vectors")
         world = dist.get_world_size(self.group)
         last = seg.input_rows(world)
         if last > x.shape[0]:

@@ -40,11 +40,14 @@ import torch
 
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, Fp8Rows, scale_stride
+from megatron_tokenweave.ops.gemm_rows import PaddedRows
 
 # Rows of every woven FP8 GEMM input (per chunk and half): TE's FP8 GEMMs take multiples of 8;
 # 16 is the granule Megatron's FP8 inference padding (fp8_utils.prepare_model_for_fp8_inference)
 # pads to, so a call the woven layer leaves to the stock path is padded as Megatron pads it.
 FP8_ROWS = 16
+# A module's PaddedRows of x and of its FP8 weight, kept on it between calls (ops/gemm_rows.py)
+_PADDED = "_tokenweave_padded_rows"
 
 try:
     from transformer_engine.pytorch.cpp_extensions import general_gemm  # noqa: I001
@@ -128,10 +131,12 @@ def _prepared(module: Any, x: torch.Tensor) -> Iterator[None]:
         module.end_forward()
 
 
-def _weight(module: Any, quantizer: Any) -> Any:
+def _weight(module: Any, quantizer: Any) -> tuple[Any, bool]:
     """The module's FP8 weight, from its workspace cache under Megatron's rule (TELinear.forward:
     quantized at the first forward, reused after, unless the transpose cache is disabled; a
-    module without Megatron's flag is quantized every call, as TE's own forward does then)."""
+    module without Megatron's flag is quantized every call, as TE's own forward does then), and
+    whether this call may have quantized it anew (under CUDA-graph capture the device-side skip
+    flag decides: counted as may)."""
     weight, _ = module._get_weight_and_bias_tensors()
     first = (None if getattr(module, "disable_parameter_transpose_cache", False)
              else getattr(module, "is_first_microbatch", None))  # a plain te.Linear: None
@@ -154,7 +159,7 @@ def _weight(module: Any, quantizer: Any) -> Any:
     if new is not None:
         module._fp8_workspaces[cache] = new.detach() if isinstance(new, torch.Tensor) else new
     weightmat.update_usage(rowwise_usage=True)
-    return weightmat
+    return weightmat, cache is None or first is not False or skip is not None
 
 
 def fused_quantizer(module: torch.nn.Module) -> Any | None:
@@ -212,8 +217,12 @@ class Fp8Gemm:
     computes out = x @ W^T (+ bias); `operands` gives the communicating GEMM (the GEMM-fused
     mechanism) its FP8 inputs instead."""
 
-    def __init__(self, input_q: Any, weight: Any, split_acc: bool) -> None:
+    def __init__(self, input_q: Any, weight: Any, split_acc: bool,
+                 padded: tuple[PaddedRows, PaddedRows] | None = None,
+                 weight_changed: bool = True) -> None:
         self.input_q, self.weight, self.split_acc = input_q, weight, split_acc
+        self.padded = padded or (PaddedRows(), PaddedRows())  # x's, the weight's
+        self.weight_changed = weight_changed
 
     def __call__(self, rows: Any, out: torch.Tensor, bias: torch.Tensor | None) -> None:
         if isinstance(rows, torch.Tensor):
@@ -223,17 +232,20 @@ class Fp8Gemm:
 
     def operands(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
         """rows [n, in] quantized by the module's input quantizer, and the module's FP8 weight,
-        as the communicating GEMM takes them: e4m3 data and their scale_inv (per tensor, or
-        TE's GEMM-ready blocks)."""
+        as the communicating GEMM takes them: e4m3 data (in padded rows where theirs start off
+        a 32-byte sector: ops/gemm_rows.py) and their scale_inv (per tensor, or TE's GEMM-ready
+        blocks)."""
         x, x_scales = _e4m3(self.input_q(_granules(rows)))
         w, w_scales = self._weight_e4m3
-        return x, w, Fp8Operands(x_scales, w_scales,
-                                 blocks=isinstance(self.weight, Float8BlockwiseQTensorStorage))
+        return self.padded[0](x), w, Fp8Operands(
+            x_scales, w_scales, blocks=isinstance(self.weight, Float8BlockwiseQTensorStorage))
 
     @functools.cached_property
     def _weight_e4m3(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The FP8 weight's data and scale_inv, taken once for the call's halves."""
-        return _e4m3(self.weight)
+        """The FP8 weight's data (padded rows as x's) and scale_inv, taken once for the call's
+        halves."""
+        w, scales = _e4m3(self.weight)
+        return self.padded[1](w, self.weight_changed), scales
 
 
 def _granules(rows: torch.Tensor) -> torch.Tensor:
@@ -274,7 +286,9 @@ def gemms(module: Any, x: torch.Tensor, written_for: Any | None = None) -> Itera
                                "between the fused op that wrote its FP8 input and its GEMM")
         set_quantizer_amax_reduction_group(input_q, None)
         input_q.set_usage(rowwise=True, columnwise=False)
-        weight = _weight(module, weight_q)
+        weight, changed = _weight(module, weight_q)
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         fprop = getattr(recipe, "fp8_gemm_fprop", None)
-        yield Fp8Gemm(input_q, weight, bool(getattr(fprop, "use_split_accumulator", False)))
+        padded = module.__dict__.setdefault(_PADDED, (PaddedRows(), PaddedRows()))
+        yield Fp8Gemm(input_q, weight, bool(getattr(fprop, "use_split_accumulator", False)),
+                      padded, changed)

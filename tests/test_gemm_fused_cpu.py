@@ -339,7 +339,8 @@ def test_fitted_segments_are_released_by_their_consumer(layout):
 # --------------------------------------------------------------------------- emulation
 def _emulation_worker(rank: int, world: int) -> list[tuple]:
     """Per case: (layout, rows, split, bias, fitted tiles, max |got - want| / max |want| of
-    residual_out and normed: fp32 sums of every rank's partials in two orders)."""
+    residual_out and normed: fp32 sums of every rank's partials in two orders). Where split and
+    bias differ, x and the weight go in rows padded past K (a row pitch, ops/gemm_rows.py)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -370,8 +371,12 @@ def _emulation_worker(rank: int, world: int) -> list[tuple]:
         got_res = torch.full((n, hidden), float("nan"))
         normed = comm.normed[:chunks * n].view(chunks, n, hidden)
         normed.fill_(float("nan"))
+        x, w = xs[rank], ws[rank]
+        if split != bias_on:  # rows 112 bytes apart: 28 floats, K = 24 of them
+            x, w = (torch.cat([t, torch.full((t.shape[0], 4), float("nan"))], 1)[:, :k]
+                    for t in (x, w))
         for i, (h, seg) in enumerate(_calls(layout, world, n, split, hidden, k, 1, fitted)):
-            comm.row_gemm(xs[rank], ws[rank], bias if rank == 0 else None, seg, i, ctas=1)
+            comm.row_gemm(x, w, bias if rank == 0 else None, seg, i, ctas=1)
             part = comm.partial[chunks * h.offset:chunks * (h.offset + h.rows)].view(
                 chunks, h.rows, hidden)
             rows = slice(h.offset, h.offset + h.rows)
@@ -448,6 +453,8 @@ def test_row_gemm_before_prepare_raises(gemm_comm):
     (dict(bias=torch.randn(8)), r"bias \[16\]"),
     (dict(x=torch.randn(8, 21), weight=torch.randn(16, 21)), "16-byte vectors"),
     (dict(x=torch.randn(24, 8).t()), "contiguous"),
+    (dict(x=torch.randn(8, 25)[:, :24]), "16 bytes apart"),
+    (dict(weight=torch.randn(16, 27)[:, 3:]), "16 bytes apart"),
     (dict(set_index=2), "set_index"),
     (dict(x=torch.randn(4, 24)), "read input rows up to 8"),
 ])
@@ -505,6 +512,25 @@ def test_gemm_fused_plot_draws_one_or_several_models(tmp_path, cutlass, passes):
         assert path.stat().st_size > 0
 
 
+@pytest.mark.parametrize("tokens,hidden", [(513, 4096), (777, 8192), (5003, 3584)])
+def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden):
+    """bench gemm_fused --breakdown's fitted variants: both modes, each at every forced extent
+    and at the extent its model picks for the call, each a tile the kernel takes, named apart."""
+    from megatron_tokenweave.bench import gemm_fused
+    from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, fit_pick
+
+    variants = gemm_fused._fitted_variants(tokens, hidden, 132, 64)
+    names = [gemm_fused._tiles_name(t) for t in variants]
+    assert len(set(names)) == len(names)
+    for cooperative in (False, True):
+        mine = {t.block_rows for t in variants if t.cooperative == cooperative}
+        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative)[1]
+        assert mine == {*gemm_fused.FIT_BREAKDOWN_ROWS, picked}
+    for t in variants:
+        assert t.fitted and t.block_k == 64 and t.block_cols == (256 if t.cooperative else 128)
+        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= FIT_MAX_ROWS
+
+
 def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
     """bench gemm_fused's plot of rows joined from several runs (docs/results/gemm_fused_1gpu.json
     is one): a model timed in bf16 only beside one timed in both dtypes, and a run with fewer TP
@@ -528,7 +554,8 @@ def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
 def test_fitted_launcher_refuses_bad_input():
     """kernels/owner_gemm.check_fitted_gemm: what the fitted kernel cannot take is a
     TokenWeaveInputError before the op (operands bf16/fp16 of the rows' dtype, or e4m3 with
-    rows of bf16/fp16; 2-D contiguous; 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
+    rows of bf16/fp16; 2-D, rows contiguous and a multiple of 16 bytes apart (padded rows
+    taken); 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
     bias [N] of the rows' dtype; 16-byte starts; token extents in its range; rows inside x and
     the slot)."""
     from dataclasses import replace
@@ -547,13 +574,15 @@ def test_fitted_launcher_refuses_bad_input():
         check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
                           world=2, fp8=args["fp8"], out_dtype=args["out"])
 
-    check(base)  # calls it takes: 16-bit, and e4m3 with bf16 rows and bias
+    check(base)  # calls it takes: 16-bit, padded rows, and e4m3 with bf16 rows and bias
+    check(base | dict(x=torch.randn(300, 264, dtype=torch.bfloat16)[:, :256]))
     check(base | fp8 | dict(bias=torch.randn(512, dtype=torch.bfloat16)))
     bad = [
         (dict(x=x.float()), "bf16 or fp16"),
         (dict(bias=torch.randn(512, dtype=torch.float16)), "of one dtype"),
         (dict(out=torch.float16), "of one dtype"),
-        (dict(x=x.t()), "contiguous 2-D"),
+        (dict(x=torch.randn(256, 300, dtype=torch.bfloat16).t()), "rows are contiguous"),
+        (dict(w=torch.randn(512, 260, dtype=torch.bfloat16)[:, :256]), "16 bytes apart"),
         (dict(x=x[:, :100].contiguous(), w=w[:, :100].contiguous()), "K a multiple of 8"),
         (dict(w=w[:500].contiguous()), "N of 8"),
         (dict(bias=torch.randn(500, dtype=torch.bfloat16)), r"bias must be \[512\]"),

@@ -9,14 +9,18 @@ installed), `tokenweave` (the kernel ops/segments.tiles_for picks: a Triton kern
 kernels/owner_gemm*.py, or on sm_90 the fitted CUDA kernel, csrc/include/tokenweave/
 fit_gemm.cuh; its epilogue stores every row another rank owns into that rank's inbox; here the
 TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback, so the stores are all
-paid, only the NVLink is not) and, where the fitted kernel runs, the kernel the policy did not
+paid, only the NVLink is not; operands in padded rows where theirs start off a 32-byte sector,
+x's copy timed with the GEMM, as the layer does: ops/gemm_rows.py) and, where the fitted kernel
+runs, the kernel the policy did not
 pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per tensor, where the Triton pick is
 the ping-pong kernel, the one-consumer kernel's best tiles too (`tokenweave_one_consumer`).
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
 consumer a flag store per rank, timed with the consumer on two GPUs), with each tile shape
-forced (`tokenweave_tiles_<name>`) and cuBLAS over the rows the picked tiles cover
+forced (`tokenweave_tiles_<name>`), where the fitted kernel runs its tiles forced in both modes
+at FIT_BREAKDOWN_ROWS tokens and at its model's extent per mode (`tokenweave_fit<tokens>[c]`),
+and cuBLAS over the rows the picked tiles cover
 (`cublas_covered`: the call's rows rounded up to whole row blocks per segment, or to whole
 fitted tiles): whether a shortfall is the tile pick, the padded rows, or the kernel itself.
 `--cutlass` adds `cutlass_<schedule>_<tile>_c<cluster>` rows (bench/cutlass_gemm.py: CUTLASS's
@@ -53,11 +57,13 @@ from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
+from megatron_tokenweave.ops.gemm_rows import PaddedRows
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
     ONE_CONSUMER,
     RELEASES,
     TILES,
+    fit_pick,
     fitted_tiles,
     one_consumer_tiles,
     segments,
@@ -65,6 +71,7 @@ from megatron_tokenweave.ops.segments import (
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
+FIT_BREAKDOWN_ROWS = (64, 96, 128, 176)  # --breakdown: fitted token extents forced in both modes
 CALLS = 10  # calls per timed graph
 # 512-16K: powers of two, and counts that are odd, prime, or one past a tile
 SWEEP = [512, 513, 641, 777, 1000, 1024, 1279, 1531, 2047, 2048, 2500, 3001, 3583, 4096, 4099,
@@ -157,6 +164,10 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             forced.update({f"tokenweave_tiles_{t}": segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                 for t, tiles in shapes.items()})
+            if fitted:
+                forced.update({f"tokenweave_{_tiles_name(tiles)}": segments(
+                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+                    for tiles in _fitted_variants(tokens, n, sms, triton.tiles.block_k)})
         covered = _covered(seg, tp)
         out = torch.empty(max(tokens, covered), n, device=dev, dtype=torch_dtype)
         if fp8 is not None:
@@ -169,8 +180,11 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             ops = None
             impls = {"cublas": lambda x, w=w, out=out: torch.matmul(x[:tokens], w.t(),
                                                                    out=out[:tokens])}
-        impls.update({impl: lambda x, w=w, s=s, ops=ops: owner_gemm(
-            x[:tokens], w, None, inbox, s, 0, sms, 1, fp8=ops)
+        # Operands as the layer hands them over (ops/gemm_rows.py): x copied into padded rows
+        # per call where its rows start off a sector (the copy timed), the weight once.
+        x_rows, w_rows = PaddedRows(), PaddedRows()
+        impls.update({impl: lambda x, w=w_rows(w), s=s, ops=ops, rows=x_rows: owner_gemm(
+            rows(x[:tokens]), w, None, inbox, s, 0, sms, 1, fp8=ops)
                       for impl, s in {"tokenweave": seg, **other, **forced}.items()})
         if breakdown and fp8 is None:
             impls["cublas_covered"] = lambda x, w=w, o=out[:covered]: torch.matmul(
@@ -192,6 +206,18 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                       "tiles": _tiles_name(seg.tiles)} for impl, t in us.items()]
     inbox.close()
     return rows
+
+
+def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int) -> list:
+    """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens and at the extent
+    its model picks per mode (ops/segments.fit_pick): whether a shortfall is the pick's
+    extent or mode, or the kernel at any extent."""
+    rows = {cooperative: sorted({*FIT_BREAKDOWN_ROWS, fit_pick(
+        Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative)[1]})
+        for cooperative in (False, True)}
+    return [replace(fitted_tiles(Layout.REPLICATED, 1, tokens, hidden, ctas), block_rows=r,
+                    block_cols=256 if c else 128, cooperative=c, block_k=block_k)
+            for c, extents in rows.items() for r in extents]
 
 
 def _covered(seg, world: int) -> int:
@@ -354,7 +380,8 @@ def parser() -> argparse.ArgumentParser:
                         help="GEMM dtypes")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the Triton kernels with each tile shape and release "
-                             "forced, and cuBLAS over the covered rows")
+                             "forced, the fitted kernel at several extents in both modes, and "
+                             "cuBLAS over the covered rows")
     parser.add_argument("--passes", type=int, default=1,
                         help="times the same graphs are timed (rows carry `pass`; the spread)")
     add_sweep_arguments(parser, tokens=SWEEP, iters=30, timed="impl",

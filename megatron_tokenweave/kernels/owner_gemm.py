@@ -45,6 +45,7 @@ from megatron_tokenweave.ops.validate import (
     MAX_RANKS,
     VECTOR_ELEMS,
     TokenWeaveInputError,
+    check_gemm_operands,
 )
 
 
@@ -133,8 +134,9 @@ def _owner_gemm_kernel(
 def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                inbox: GemmInbox, seg: Segments, set_index: int, ctas: int, tag: int,
                validate: bool = True, fp8: Fp8Operands | None = None) -> None:
-    """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, contiguous; the
-    segments say which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
+    """Queue the GEMM on the current stream. x: [rows, K] (every chunk's rows, each row
+    contiguous, rows a multiple of 16 bytes apart: `check_gemm_operands`; the segments say
+    which rows each owner gets); weight: [hidden, K]; bias: [hidden] or None;
     ctas: persistent CTAs (the SMs left to the GEMM); tag: the call's tag (31 bits), which its
     consumer passes too: published into each owner's inbox before the flags, the owner gives
     up on a source's tiles of another call. The segments' tiles pick the kernel:
@@ -197,8 +199,9 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       out_dtype: torch.dtype | None = None) -> None:
     """Raise TokenWeaveInputError for a call the fitted kernel cannot take (ops.cu checks the
     same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
-    x's by default), or e4m3 ones (fp8: their scales are Fp8Operands.check's), 16-byte rows and
-    starts, its token extents, the rows the segments read and the inbox rows they fill."""
+    x's by default), or e4m3 ones (fp8: their scales are Fp8Operands.check's), 16-byte rows,
+    row pitches and starts, its token extents, the rows the segments read and the inbox rows
+    they fill."""
     out_dtype = out_dtype or x.dtype
     operand = FP8_DTYPE if fp8 else out_dtype
     if out_dtype not in KERNEL_DTYPES or x.dtype != operand or weight.dtype != operand or (
@@ -208,15 +211,14 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             f"the fitted GEMM takes {operands} rows and bias of one dtype, bf16 or fp16 (the "
             f"rows': {out_dtype}), got x {x.dtype}, weight {weight.dtype}, bias "
             f"{None if bias is None else bias.dtype}")
-    if x.dim() != 2 or weight.dim() != 2 or not (x.is_contiguous() and weight.is_contiguous()):
-        raise TokenWeaveInputError("the fitted GEMM takes contiguous 2-D x and weight")
-    n, k = weight.shape
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
     k_align = 16 // x.element_size()  # 16-byte rows of x and the weight
-    if x.shape[1] != k or k % k_align or n % VECTOR_ELEMS:
+    if x.dim() != 2 or x.shape[1] != k or k % k_align or n % VECTOR_ELEMS:
         raise TokenWeaveInputError(
             f"the fitted GEMM needs x [rows, K] and weight [N, K] with K a multiple of "
             f"{k_align} and N of {VECTOR_ELEMS}, got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}")
+    check_gemm_operands(x, weight, "the fitted GEMM")
     if bias is not None and tuple(bias.shape) != (n,):
         raise TokenWeaveInputError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if x.data_ptr() % 16 or weight.data_ptr() % 16:

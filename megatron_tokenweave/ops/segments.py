@@ -127,7 +127,7 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
     return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
 
 
-def _fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
+def fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
               cooperative: bool) -> tuple[int, int]:
     """(waves, token extent) of the fitted kernel's best tiles in one mode (FIT_TILE_COST)."""
     groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
@@ -143,10 +143,10 @@ def _fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
 
 def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
     """The fitted kernel's tiles of a call (`segments`'s arguments; the FIT_* rules above)."""
-    waves, extent = _fit_pick(layout, world, rows, hidden, ctas, cooperative=True)
+    waves, extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=True)
     cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
     if not cooperative:
-        extent = _fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1]
+        extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1]
     return GemmTiles(block_rows=extent, block_cols=256 if cooperative else 128, block_k=64,
                      stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
 

@@ -60,6 +60,19 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == t.shape[-1])
 
 
+def check_gemm_operands(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
+    """Raise TokenWeaveInputError unless x [rows, K] and weight [N, K] are 2-D with contiguous
+    rows that start a multiple of 16 bytes apart (a TMA stride) and at least K apart: the
+    communicating GEMM's operands, contiguous or with padded rows (ops/gemm_rows.py)."""
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1] or (
+                t.stride(0) * t.element_size() % 16):
+            raise TokenWeaveInputError(
+                f"{what} takes a 2-D {name} whose rows are contiguous, at least K apart and "
+                f"a multiple of 16 bytes apart; got shape {tuple(t.shape)}, strides "
+                f"{tuple(t.stride())}")
+
+
 def check_fused_args(
     partial: torch.Tensor,
     residual: torch.Tensor,

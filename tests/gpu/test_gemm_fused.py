@@ -58,6 +58,7 @@ ROWS = (1, 7, 100, 300, 1000, 1031)
 ROWS_WIDE = (1, 100, 300, 1031)  # at TP 4 and 8 (each rank computes every rank's partial sums)
 SHAPES = ((1024, 4096), (3584, 5120))  # (K, hidden)
 MAX_TOKENS = 8 * 1031 + 64
+GRAPH_SHAPE = (4096, torch.bfloat16)  # the communicator whose calls are also graph-replayed
 
 
 def _skip_without_kernels():
@@ -292,7 +293,7 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
     from megatron_tokenweave.ops.segments import LARGE, PINGPONG, RELEASES, SMALL, WIDE
 
     t0, ncases, fp8_cases = time.time(), 0, 0
-    eager, tiles, releases = {}, set(), set()
+    graph, tiles, releases = None, set(), set()
     for (_, hidden), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         comm = Communicator(group, MAX_TOKENS, hidden, dtype, dev, "kernel")
         comm.prepare_gemm()
@@ -314,9 +315,14 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
                 case.check_fp8_rows(f"{world}-rank rank {rank} {dtype} n={case.n} H={hidden}")
                 fp8_cases += 1
             ncases += 1
-        eager[(hidden, dtype)] = (comm, cases)
         tiles.update(*(case.tiles for case in cases))
         releases.update(*(case.releases for case in cases))
+        if (hidden, dtype) == GRAPH_SHAPE:
+            graph = (comm, cases)
+        else:  # freed now: 8 ranks' communicators and cases of every shape overfill 80 GB
+            comm.destroy()
+            del cases
+            torch.cuda.empty_cache()
     # Where the fitted kernel runs it takes some calls the Triton LARGE tiles took (at TP 8 all
     # of them among these cases).
     triton = {LARGE, WIDE, SMALL, PINGPONG} - ({LARGE} if comm.fitted_gemm else set())
@@ -324,7 +330,7 @@ def _worker(rank: int, world: int, port: int, gpus: int) -> None:
     fitted_modes = {t.cooperative for t in tiles if t.fitted}
     assert fitted_modes == ({False, True} if comm.fitted_gemm else set()), tiles
     assert releases == set(RELEASES), f"releases exercised: {releases}"
-    comm, cases = eager[(4096, torch.bfloat16)]
+    comm, cases = graph
     replays = _graph_replays(comm, cases[:6], rank)
     comm.symmetric.check_error()
     destroy_communicators()
@@ -374,10 +380,21 @@ def _fitted_tiles(block_rows: int, cooperative: bool, block_k: int = 64):
                      cooperative=cooperative)
 
 
+def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """t's values in rows `pad` elements longer than t's, the padding NaN (a kernel that read
+    past K would show it): the operand form of padded rows (a row pitch over K)."""
+    if not pad:
+        return t
+    buf = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), device=t.device).to(t.dtype)
+    buf[:, :t.shape[1]] = t
+    return buf[:, :t.shape[1]]
+
+
 def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative, dtype,
-                 bias_on, seed) -> str | None:
-    """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`:
-    None if every owner's slot holds exactly its rows, else what is wrong."""
+                 bias_on, seed, pads=(0, 0)) -> str | None:
+    """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`
+    (pads: elements past K in each row of x and of the weight): None if every owner's slot
+    holds exactly its rows, else what is wrong."""
     from megatron_tokenweave.ops.segments import segments
     from megatron_tokenweave.ops.validate import Layout
 
@@ -390,6 +407,7 @@ def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative
     x = _gen(seed, (3 + (world * stride if sp else rows) + 2, k), dtype, dev)
     w = (_gen(seed + 1, (n, k), torch.float32, dev) * k ** -0.5).to(dtype)
     bias = _gen(seed + 2, (n,), dtype, dev) if bias_on else None
+    x, w = _padded(x, pads[0]), _padded(w, pads[1])
     for slots in inbox.owner_slots:
         slots.fill_(float("nan"))
     torch.ops.tokenweave.fit_gemm(x, w, bias, inbox.bases,
@@ -469,6 +487,47 @@ def test_fitted_gemm_matches_reference():
     assert not failures, failures[:10]
 
 
+def test_gemm_takes_padded_rows():
+    """Operands whose rows are padded past K (a row pitch over K, the padding NaN), as
+    ops/gemm_rows.py hands them over where K's bytes are not whole 32-byte sectors: the fitted
+    kernel (bf16, and e4m3 per tensor in both modes) and the Triton kernels' FP8 forms (large,
+    ping-pong) land the same rows as contiguous operands would, within the same bounds; x
+    padded, the weight padded, and both."""
+    _skip_without_fitted()
+    from dataclasses import replace
+
+    from megatron_tokenweave.kernels.inbox import GemmInbox
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, LARGE, PINGPONG
+    from megatron_tokenweave.ops.validate import Layout
+
+    dev = torch.device("cuda", 0)
+    failures, cases = [], 0
+    n, pads = 1024, ((16, 0), (0, 16), (16, 48))
+    inbox = GemmInbox.loopback(4, 4 * 1031 + 64, n, torch.bfloat16, dev)
+    for i, (rows, pad) in enumerate(itertools.product((7, 513, 1000), pads)):
+        for block_rows, cooperative in FITTED_SHAPES:
+            # 1848 bf16 in-features: rows of 3696 bytes (K of Qwen2.5-72B's fc2 at TP 8 in e4m3)
+            bad = _fitted_case(inbox, Layout.REPLICATED, 4, i % 4, rows, 1848, n, block_rows,
+                               cooperative, torch.bfloat16, i % 2 == 0, 300 + i,
+                               (pad[0] // 2, pad[1] // 2))
+            cases += 1
+            if bad:
+                failures.append(f"bf16 fitted {block_rows}{'c' * cooperative} rows={rows} "
+                                f"pads={pad}: {bad}")
+        for tiles in (_fitted_tiles(136, False, FP8_BLOCK_K), _fitted_tiles(176, True,
+                                                                            FP8_BLOCK_K),
+                      replace(LARGE, block_k=FP8_BLOCK_K), replace(PINGPONG,
+                                                                   block_k=FP8_BLOCK_K)):
+            bad, _ = _fp8_case(inbox, Layout.REPLICATED, 4, 0, rows, 3696, n, False,
+                               i % 2 == 1, 400 + i, tiles, pad)
+            cases += 1
+            if bad:
+                failures.append(f"e4m3 {tiles} rows={rows} pads={pad}: {bad}")
+    inbox.close()
+    print(f"padded rows: {cases - len(failures)} of {cases} cases exact")
+    assert not failures, "\n".join(failures[:10])
+
+
 def test_fitted_gemm_launcher_refuses_bad_input():
     """The launcher (kernels/owner_gemm.py) checks a fitted call before the op sees it: bad
     dtype, K not a multiple of 8, a token extent the kernel has no instantiation of, rows past
@@ -506,11 +565,12 @@ FP8_ACC = 2.0 ** -9
 
 
 def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
-              tiles=None) -> tuple[str | None, float]:
+              tiles=None, pads=(0, 0)) -> tuple[str | None, float]:
     """One FP8 call of the Triton kernels (tiles_for(fp8=...), or `tiles`) into a loopback
     inbox, as rank `rank`: None if every owner's slot holds its rows of the dequantized fp32
     product (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
-    magnitudes, else what is wrong; and the largest error relative to those magnitudes."""
+    magnitudes, else what is wrong; and the largest error relative to those magnitudes.
+    pads: elements past K in each row of x and of the weight (`_padded`)."""
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
     from megatron_tokenweave.ops.fp8_operands import Fp8Operands
     from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
@@ -534,7 +594,7 @@ def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
     bias = _gen(seed + 4, (n,), dtype, dev) if bias_on else None
     for slots in inbox.owner_slots:
         slots.fill_(float("nan"))
-    owner_gemm(x, w, bias, inbox, seg, 0, 132, 1, fp8=ops)
+    owner_gemm(_padded(x, pads[0]), _padded(w, pads[1]), bias, inbox, seg, 0, 132, 1, fp8=ops)
     torch.cuda.synchronize()
     xf, wf = ops.dequantized(x, w)
     ref = xf @ wf.t()

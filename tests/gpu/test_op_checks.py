@@ -46,6 +46,11 @@ CASES = [
     ("fit_gemm rows past the segments",
      "geometry[7] = 300\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8, [], None)",
      "300 rows do not split into 2 segments of 128"),
+    ("fit_gemm x rows 8 bytes past 16",
+     "xp = torch.randn(256, 4100, device=dev, dtype=bf16)[:, :4096]\n"
+     "torch.ops.tokenweave.fit_gemm(xp, w, None, regions, geometry, 8, [], None)",
+     "x's rows must be contiguous, at least K apart and a multiple of 16 bytes apart; got "
+     "strides (4100, 1)"),
     ("fit_gemm float32",
      "torch.ops.tokenweave.fit_gemm(x.float(), w.float(), None, regions, geometry, 8, [], None)",
      "must both be bf16, both fp16 or both e4m3"),

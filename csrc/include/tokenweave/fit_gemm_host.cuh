@@ -42,14 +42,16 @@ constexpr CUtensorMapDataType map_type() {
                                                 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
 }
 
-// A row-major, contiguous [rows, inner] matrix of In, moved in boxes of box_rows x 128 bytes
-// (128-byte swizzle: what smem_desc_k128 and fit::stage_offset describe).
+// A row-major [rows, inner] matrix of In whose rows start `pitch` elements apart (a multiple of
+// 16 bytes, at least `inner`), moved in boxes of box_rows x 128 bytes (128-byte swizzle: what
+// smem_desc_k128 and fit::stage_offset describe).
 template <typename In>
-bool make_map(CUtensorMap* map, const void* ptr, int64_t inner, int64_t rows, int box_rows) {
+bool make_map(CUtensorMap* map, const void* ptr, int64_t inner, int64_t rows, int64_t pitch,
+              int box_rows) {
   const auto encode = encode_fn();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * sizeof(In)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch) * sizeof(In)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(Operand<In>::kStageK),
                              static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
@@ -74,16 +76,17 @@ bool with_bn(int bn, F&& f) {
                       std::make_integer_sequence<int, (kMaxBN - kMinBN) / 8 + 1>{});
 }
 
-// Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major In, rows of T into the inboxes
-// (p.scale_inv set for e4m3 operands), p's geometry for tiles of bn tokens, on `ctas`
-// persistent CTAs.
+// Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major In, their rows x_pitch and w_pitch
+// elements apart, rows of T into the inboxes (p.scale_inv set for e4m3 operands), p's geometry
+// for tiles of bn tokens, on `ctas` persistent CTAs.
 template <typename T, typename In, bool kCoop>
-LaunchStatus launch(const void* x, int64_t x_rows, const void* w, const FitGemmParams& p, int bn,
-                    int ctas, cudaStream_t stream) {
+LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* w,
+                    int64_t w_pitch, const FitGemmParams& p, int bn, int ctas,
+                    cudaStream_t stream) {
   CUtensorMap w_map, x_map;
   if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
-  if (!make_map<In>(&w_map, w, p.k, p.n_out, kCoop ? 2 * kBM : kBM) ||
-      !make_map<In>(&x_map, x, p.k, x_rows, bn))
+  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, kCoop ? 2 * kBM : kBM) ||
+      !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, bn))
     return LaunchStatus::kTensorMap;
   cudaError_t err = cudaSuccess;
   const bool known = with_bn(bn, [&](auto bn_c) {
@@ -117,11 +120,11 @@ LaunchStatus launch(const void* x, int64_t x_rows, const void* w, const FitGemmP
 // used, defined in csrc/launch_fit_gemm_*.cu, one translation unit each).
 #define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In)                                                  \
   PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, false>(        \
-      const void*, int64_t, const void*, const tokenweave::fit::FitGemmParams&, int, int,        \
-      cudaStream_t);                                                                          \
+      const void*, int64_t, int64_t, const void*, int64_t,                                    \
+      const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t);                         \
   PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, true>(         \
-      const void*, int64_t, const void*, const tokenweave::fit::FitGemmParams&, int, int,        \
-      cudaStream_t)
+      const void*, int64_t, int64_t, const void*, int64_t,                                    \
+      const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t)
 
 #ifndef TOKENWEAVE_FIT_INSTANTIATE
 TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16);
