@@ -218,11 +218,10 @@ class Fp8Gemm:
     mechanism) its FP8 inputs instead."""
 
     def __init__(self, input_q: Any, weight: Any, split_acc: bool,
-                 padded: tuple[PaddedRows, PaddedRows] | None = None,
-                 weight_changed: bool = True) -> None:
+                 padded: tuple[PaddedRows, PaddedRows], weight_changed: bool) -> None:
         self.input_q, self.weight, self.split_acc = input_q, weight, split_acc
-        self.padded = padded or (PaddedRows(), PaddedRows())  # x's, the weight's
-        self.weight_changed = weight_changed
+        self.padded = padded  # x's and the weight's, kept on the module
+        self.weight_changed = weight_changed  # whether `_weight` may have quantized it anew
 
     def __call__(self, rows: Any, out: torch.Tensor, bias: torch.Tensor | None) -> None:
         if isinstance(rows, torch.Tensor):

@@ -182,8 +182,8 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                                                                    out=out[:tokens])}
         # Operands as the layer hands them over (ops/gemm_rows.py): x copied into padded rows
         # per call where its rows start off a sector (the copy timed), the weight once.
-        x_rows, w_rows = PaddedRows(), PaddedRows()
-        impls.update({impl: lambda x, w=w_rows(w), s=s, ops=ops, rows=x_rows: owner_gemm(
+        x_rows, w_in = PaddedRows(), PaddedRows()(w)
+        impls.update({impl: lambda x, w=w_in, s=s, ops=ops, rows=x_rows: owner_gemm(
             rows(x[:tokens]), w, None, inbox, s, 0, sms, 1, fp8=ops)
                       for impl, s in {"tokenweave": seg, **other, **forced}.items()})
         if breakdown and fp8 is None:

@@ -65,9 +65,9 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # at 211 of the 250 Llama-shard points where the 16-bit rules pick it, one H200, docs/kernel.md
 # "FP8 operands"), and the fitted kernel where FIT_BELOW says so or, over more than
 # FIT_FP8_MIN_K in-features, where it runs its ping-pong mode (long K loops of many tiles per
-# CTA; chosen from a sweep on one H100 whose file was not kept, its re-measurement owed:
-# docs/kernel.md "FP8 operands"); in blocks ("blocks") the one-consumer tiles only (each K
-# block's product is scaled before it is added).
+# CTA: there 1.10x the Triton kernel at the median of 219 points, Qwen2.5-72B's fc2 at TP 8
+# aside, one H100, docs/results/gemm_fused_1gpu_fp8.json); in blocks ("blocks") the
+# one-consumer tiles only (each K block's product is scaled before it is added).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
