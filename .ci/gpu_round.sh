@@ -74,9 +74,10 @@
 #   calls  the kernel protocol with 2, 4 and 8 ranks sharing one GPU, the divergence checks (a
 #          rank that misses a call) among them, then what the call check costs the one-shot
 #          path (bench call_check)
-#   padded the operands in padded rows (ops/gemm_rows.py): their GPU test and op check, then
-#          Qwen2.5-72B's shards in FP8 (its fc2 at TP 8 is the shard they change), then the
-#          8-rank GEMM-fused protocol test (~6 min together)
+#   padded the operands in padded rows (ops/gemm_rows.py): their GPU test and op check, the
+#          woven FP8 layer whose fc2 rows are padded against the TE spec (`stage.sh te`
+#          carried; skips without TE), then Qwen2.5-72B's shards in FP8 (its fc2 at TP 8 is the
+#          shard they change; `tokenweave_prepadded` rows: the copy's cost) (~6 min together)
 #   gemm_diag  where the communicating GEMM falls short of cuBLAS: each Triton tile shape and
 #          each fitted extent and mode forced, cuBLAS over the covered rows (bench gemm_fused
 #          --breakdown) at the counts the sweep found short (512-1279, 5003), the shards that
@@ -289,10 +290,9 @@ case "$phase" in
   padded)
     TAIL=8 step padded_tests 200 python -m pytest -v -s tests/gpu/test_gemm_fused.py \
       tests/gpu/test_op_checks.py -k "padded_rows or fit_gemm"
+    TAIL=8 step padded_layer 300 python -m pytest -v -s tests/gpu/test_layer_gpu.py -k padded_rows
     TAIL=4 step padded_sweep 200 python -m megatron_tokenweave.bench gemm_fused --dtypes fp8 \
       --models qwen2.5-72b --iters 10 --out "$out/gemm_fused_1gpu_fp8_qwen2.5-72b.json"
-    TAIL=6 step gemm_protocol8 200 python -m pytest -x -v -s tests/gpu/test_gemm_fused.py \
-      -k "protocol_one_gpu and 8"
     ;;
   gemm_diag)
     for m in llama-3-8b qwen2.5-7b qwen2.5-72b; do

@@ -23,12 +23,14 @@ from megatron_tokenweave.ops.segments import (
     FIT_FP8_MIN_K,
     FIT_MIN_CALL,
     FP8_BLOCK_K,
+    FP8_PARTIAL_BOX_MAX_K,
     FP8_SCALINGS,
     LARGE,
     SMALL,
     WIDE,
     estimated_time,
     fitted_tiles,
+    one_consumer_tiles,
     segments,
     tiles_for,
 )
@@ -46,12 +48,18 @@ def _operands(rows: int, n: int, k: int, blocks: bool, seed: int
     return x, w, Fp8Operands(xs, ws, blocks)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 128, 128), (7, 200, 384), (130, 1000, 1280)])
+@pytest.mark.parametrize("rows,n,k", [(1, 128, 128), (7, 200, 384), (130, 1000, 1280),
+                                      (9, 256, 208), (5, 300, 3696)])
 def test_block_scales_dequantize_element_by_element(rows, n, k):
     """Element (r, c) of x times x_scale_inv[c // 128, r]; element (j, c) of the weight times
-    w_scale_inv[j // 128, c // 128] (the scales' padded columns never read)."""
+    w_scale_inv[j // 128, c // 128] (the scales' padded columns never read; a last K block
+    short of 128, K = 208 and 3696, with its own scales)."""
     x, w, ops = _operands(rows, n, k, True, rows + n)
     xf, wf = ops.dequantized(x, w)
+    assert xf.shape == x.shape and wf.shape == w.shape
+    c = k - 1  # the last column: in the short block
+    assert xf[0, c] == x[0, c].float() * ops.x_scale_inv[c // 128, 0]
+    assert wf[0, c] == w[0, c].float() * ops.w_scale_inv[0, c // 128]
     for r, c in itertools.product(range(0, rows, max(1, rows // 5)), range(0, k, 37)):
         assert xf[r, c] == x[r, c].float() * ops.x_scale_inv[c // 128, r]
     for j, c in itertools.product(range(0, n, 29), range(0, k, 41)):
@@ -66,9 +74,11 @@ def test_tensor_scales_dequantize():
 
 
 def test_block_scale_shapes_are_te_gemm_ready_layouts():
-    """x: [K/128, rows rounded up to 4]; weight: [ceil(N/128), K/128 rounded up to 4]."""
+    """x: [ceil(K/128), rows rounded up to 4]; weight: [ceil(N/128), ceil(K/128) rounded up
+    to 4] (a last K block short of 128 has its own scales, as TE's quantizers give it)."""
     ops = Fp8Operands(torch.empty(0), torch.empty(0), True)
     assert ops.shapes(7, 1000, 1280) == ((10, 8), (8, 12))
+    assert ops.shapes(7, 8192, 3696) == ((29, 8), (64, 32))
     assert ops.shapes(8, 128, 128) == ((1, 8), (1, 4))
     assert Fp8Operands(torch.empty(0), torch.empty(0)).shapes(7, 1000, 1280) == ((1,), (1,))
 
@@ -84,7 +94,6 @@ def test_checks_refuse_what_the_kernel_cannot_take(blocks):
            ((x, w, Fp8Operands(wrong_shape, ops.w_scale_inv, blocks)), "x scale_inv"),
            ((x, w, Fp8Operands(ops.x_scale_inv, wrong_shape, blocks)), "weight scale_inv")]
     if blocks:
-        bad.append(((x[:, :192].contiguous(), w[:, :192].contiguous(), ops), "multiple of 128"))
         t = torch.ones(4, 4)[:, :2]
         bad.append(((x, w, Fp8Operands(ops.x_scale_inv, t, blocks)), "contiguous"))
     for (xx, ww, oo), match in bad:
@@ -97,23 +106,29 @@ def test_checks_refuse_what_the_kernel_cannot_take(blocks):
 def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
     """Per-tensor scales: the 16-bit pick (ping-pong where it would take the call, the fitted
     kernel where its wave rule says so), and the fitted kernel also over more than
-    FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode; block scales: the fastest
-    one-consumer tiles by estimated time, never fitted; all with K blocks of FP8_BLOCK_K."""
+    FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode, but the one-consumer
+    tiles over more than FP8_PARTIAL_BOX_MAX_K whose rows are not whole 128-byte boxes apart
+    (K = 7392); block scales: the fastest one-consumer tiles by estimated time, never fitted;
+    all with K blocks of FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
     for rows, (hidden, k, ctas), fitted in itertools.product(
             (1, 7, 129, 513, 777, 1031, 4096, 8192), ((4096, 1792, 132), (8192, 3584, 132),
-                                                      (5120, 3584, 8)), (False, True)):
+                                                      (5120, 3584, 8), (8192, 7392, 132)),
+            (False, True)):
         sixteen = tiles_for(layout, world, rows, hidden, k, ctas, fitted=fitted)
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         call_rows = rows * (world if layout is Layout.SEQUENCE_PARALLEL else 1)
-        long_k = (fitted and call_rows >= FIT_MIN_CALL and k > FIT_FP8_MIN_K
-                  and not fit.cooperative)
+        long = fitted and call_rows >= FIT_MIN_CALL and not sixteen.fitted
+        partial_box = long and k > FP8_PARTIAL_BOX_MAX_K and k % 128 != 0
+        long_k = long and not partial_box and k > FIT_FP8_MIN_K and not fit.cooperative
         for scaling in FP8_SCALINGS:
             t = tiles_for(layout, world, rows, hidden, k, ctas, fitted=fitted, fp8=scaling)
             assert t.block_k == FP8_BLOCK_K
             if scaling == "tensor":
-                assert t == replace(fit if long_k else sixteen, block_k=FP8_BLOCK_K)
-                picked[scaling].add("long K" if long_k and not sixteen.fitted else
+                want = (one_consumer_tiles(layout, world, rows, hidden, ctas) if partial_box
+                        else fit if long_k else sixteen)
+                assert t == replace(want, block_k=FP8_BLOCK_K)
+                picked[scaling].add("partial box" if partial_box else "long K" if long_k else
                                     "fitted" if t.fitted else t.consumers)
             else:
                 best = min(estimated_time(c, layout, world, rows, hidden, ctas)
@@ -125,7 +140,7 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
                            fp8=scaling)
             assert seg.tiles == t
     assert len(picked["blocks"]) >= 2, picked
-    assert picked["tensor"] == {1, 2, "fitted", "long K"}, picked
+    assert picked["tensor"] == {1, 2, "fitted", "long K", "partial box"}, picked
 
 
 def test_fp8_scaling_must_be_named():

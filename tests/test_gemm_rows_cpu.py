@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
-from megatron_tokenweave.ops.gemm_rows import PITCH_BYTES, PaddedRows, needs_padding, padded_pitch
+from megatron_tokenweave.ops.gemm_rows import (
+    PITCH_BYTES,
+    PaddedRows,
+    needs_padding,
+    padded_pitch,
+    whole_boxes,
+)
 from megatron_tokenweave.ops.validate import TokenWeaveInputError, check_gemm_operands
 
 
@@ -73,3 +79,23 @@ def test_gemm_operand_check_refuses_rows_the_kernels_cannot_read():
             check_gemm_operands(bad, w, "test")
     check_gemm_operands(torch.randn(8, 28)[:, :24], w, "test")
     check_gemm_operands(x, w, "test")
+
+
+@pytest.mark.parametrize("start,k", [(0, 3696), (8, 3696), (1, 3696), (0, 3693)])
+def test_padded_rows_copy_any_source_exactly(start, k):
+    """Sources the copy moves in 8-byte words (rows, pitch and start divisible) and those it
+    moves byte by byte (a start one byte in, an odd width) come back bit-identical."""
+    base = _e4m3(9, 4008, start + k)  # rows 8 bytes past a sector apart: padded
+    x = base[:, start:start + k]
+    got = PaddedRows()(x)
+    assert got.stride(0) == padded_pitch(k, 1)
+    assert torch.equal(got.view(torch.uint8), x.view(torch.uint8))
+
+
+@pytest.mark.parametrize("k,esize,whole", [(3584, 1, True), (3696, 1, True), (7392, 1, False),
+                                           (14784, 1, False), (2368, 1, False), (1848, 2, True),
+                                           (3696, 2, False)])
+def test_whole_boxes_as_the_gemm_gets_the_rows(k, esize, whole):
+    """Rows of k elements are whole 128-byte boxes apart as handed over: 3696 e4m3 bytes are
+    padded to 3712 (29 boxes); 7392 bytes are on a sector, so not padded, 57.75 boxes."""
+    assert whole_boxes(k, esize) is whole

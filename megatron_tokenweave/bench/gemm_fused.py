@@ -10,10 +10,11 @@ kernels/owner_gemm*.py, or on sm_90 the fitted CUDA kernel, csrc/include/tokenwe
 fit_gemm.cuh; its epilogue stores every row another rank owns into that rank's inbox; here the
 TP-1 peers' inboxes are separate local allocations, GemmInbox.loopback, so the stores are all
 paid, only the NVLink is not; operands in padded rows where theirs start off a 32-byte sector,
-x's copy timed with the GEMM, as the layer does: ops/gemm_rows.py) and, where the fitted kernel
-runs, the kernel the policy did not
-pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per tensor, where the Triton pick is
-the ping-pong kernel, the one-consumer kernel's best tiles too (`tokenweave_one_consumer`).
+x's copy timed with the GEMM, as the layer does: ops/gemm_rows.py; `tokenweave_prepadded`
+beside it, x padded ahead, outside the timed calls) and, where the fitted kernel runs, the
+kernel the policy did not pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per
+tensor, where the Triton pick is the ping-pong kernel, the one-consumer kernel's best tiles
+too (`tokenweave_one_consumer`).
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
@@ -57,7 +58,7 @@ from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
-from megatron_tokenweave.ops.gemm_rows import PaddedRows
+from megatron_tokenweave.ops.gemm_rows import PaddedRows, needs_padding
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
     ONE_CONSUMER,
@@ -111,7 +112,7 @@ def _scaled_mm(w: torch.Tensor, ops: Fp8Operands, out: torch.Tensor,
     [tokens, K/128] and scale_b [K/128, N/128], outer-dimension-major copies of ops' scales
     without their padding, made once here)."""
     if ops.blocks:
-        kb = w.shape[1] // BLOCK_COLS
+        kb = -(-w.shape[1] // BLOCK_COLS)
         a = ops.x_scale_inv[:, :tokens].contiguous().t()
         b = ops.w_scale_inv[:, :kb].contiguous().t()
     else:
@@ -183,9 +184,16 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         # Operands as the layer hands them over (ops/gemm_rows.py): x copied into padded rows
         # per call where its rows start off a sector (the copy timed), the weight once.
         x_rows, w_in = PaddedRows(), PaddedRows()(w)
+        picks = {"tokenweave": seg, **other, **forced}
         impls.update({impl: lambda x, w=w_in, s=s, ops=ops, rows=x_rows: owner_gemm(
             rows(x[:tokens]), w, None, inbox, s, 0, sms, 1, fp8=ops)
-                      for impl, s in {"tokenweave": seg, **other, **forced}.items()})
+                      for impl, s in picks.items()})
+        if needs_padding(xs[0][:tokens]):
+            # the pick on x padded ahead, outside the timed calls: what the copy costs
+            ahead = {x.data_ptr(): PaddedRows()(x[:tokens]) for x in xs}
+            impls["tokenweave_prepadded"] = lambda x, w=w_in, s=seg, ops=ops, a=ahead: owner_gemm(
+                a[x.data_ptr()], w, None, inbox, s, 0, sms, 1, fp8=ops)
+            picks["tokenweave_prepadded"] = seg
         if breakdown and fp8 is None:
             impls["cublas_covered"] = lambda x, w=w, o=out[:covered]: torch.matmul(
                 x[:o.shape[0]], w.t(), out=o)
@@ -194,7 +202,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             impls["te"] = lambda x, te=te: te(x[:tokens])
         if cutlass:
             impls.update(_cutlass_impls(w, out[:tokens], tokens))
-        _check(impls, inbox, {"tokenweave": seg, **other, **forced}, xs[0], out[:tokens])
+        _check(impls, inbox, picks, xs[0], out[:tokens])
         with torch.no_grad():
             graphs = {impl: capture_graph(lambda fn=fn, xs=xs: [fn(x) for x in xs])
                       for impl, fn in impls.items()}

@@ -5,10 +5,12 @@ them (the rowwise data), and their dequantization scales in one of two forms:
 
 - per tensor (delayed and current scaling): one fp32 scale_inv each, [1]; the kernel multiplies
   the fp32 accumulator by their product once per tile, before the bias and the one rounding;
-- blocks (TE's blockwise recipe on Hopper): x in 1 x 128 blocks, scale_inv [K / 128,
+- blocks (TE's blockwise recipe on Hopper): x in 1 x 128 blocks, scale_inv [ceil(K / 128),
   round_up(rows, 4)] (block kb of row r at [kb, r]), weight in 128 x 128 blocks, scale_inv
-  [ceil(N / 128), round_up(K / 128, 4)] (TE's GEMM-ready layouts); each K block's product is
-  scaled by its row's and column's scales before it is accumulated, so K must be whole blocks.
+  [ceil(N / 128), round_up(ceil(K / 128), 4)] (TE's GEMM-ready layouts); each K block's
+  product is scaled by its row's and column's scales before it is accumulated. A last block
+  short of 128 (K = 3696: Qwen2.5-72B's fc2 at TP 8) has its own scales, as TE quantizes it;
+  the kernels' loads fill the columns past K with zeros, which add nothing.
 
 `dequantized` is the definition the kernel is checked against and the form the CPU backend
 computes with.
@@ -41,7 +43,7 @@ class Fp8Operands:
         """The scales' shapes for x [rows, K] and weight [N, K]."""
         if not self.blocks:
             return (1,), (1,)
-        kb = k // BLOCK_COLS
+        kb = -(-k // BLOCK_COLS)
         return (kb, scale_stride(rows)), (-(-n // BLOCK_COLS), scale_stride(kb))
 
     def check(self, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -50,9 +52,6 @@ class Fp8Operands:
             raise TokenWeaveInputError(
                 f"FP8 operands are {FP8_DTYPE}, got x {x.dtype} and weight {weight.dtype}")
         n, k = weight.shape
-        if self.blocks and k % BLOCK_COLS:
-            raise TokenWeaveInputError(
-                f"blockwise FP8 operands need K a multiple of {BLOCK_COLS}, got {k}")
         want = self.shapes(x.shape[0], n, k)
         for name, s, shape in zip(("x", "weight"), (self.x_scale_inv, self.w_scale_inv), want,
                                   strict=True):
@@ -70,7 +69,7 @@ class Fp8Operands:
             return xf * self.x_scale_inv, wf * self.w_scale_inv
         rows, k = x.shape
         n = weight.shape[0]
-        kb = k // BLOCK_COLS
-        xs = self.x_scale_inv[:, :rows].t().repeat_interleave(BLOCK_COLS, dim=1)
+        kb = -(-k // BLOCK_COLS)
+        xs = self.x_scale_inv[:, :rows].t().repeat_interleave(BLOCK_COLS, dim=1)[:, :k]
         ws = self.w_scale_inv[:, :kb].repeat_interleave(BLOCK_COLS, dim=0)[:n]
-        return xf * xs, wf * ws.repeat_interleave(BLOCK_COLS, dim=1)
+        return xf * xs, wf * ws.repeat_interleave(BLOCK_COLS, dim=1)[:, :k]

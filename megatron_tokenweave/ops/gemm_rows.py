@@ -6,7 +6,9 @@ every other row starts half way into a 32-byte sector: e4m3 rows of K = 3696 (Qw
 at TP 8) ran the fitted kernel at 1.7x and the Triton one at 1.4x their time at K = 3680 or
 3712, while cuBLAS's FP8 GEMM kept its pace (one H100, docs/kernel.md "Row pitch"). The kernels
 take a row pitch (the view's stride), so `PaddedRows` hands such an operand over in rows padded
-to a multiple of 128 bytes: one copy into a buffer it keeps.
+to a multiple of 128 bytes: one copy into a buffer it keeps, moved in 8-byte words (a
+byte-wise strided copy of 16K e4m3 rows of that shard took 155 us on one H100, a word-wise one
+48 us, the GEMM 760 us: docs/kernel.md "Row pitch").
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 SECTOR_BYTES = 32  # rows a multiple of this apart read at full speed
 PITCH_BYTES = 128  # the padded rows' pitch: whole TMA boxes
+WORD = torch.int64  # the copy's unit
 
 
 def needs_padding(t: torch.Tensor) -> bool:
@@ -25,6 +28,15 @@ def needs_padding(t: torch.Tensor) -> bool:
 def padded_pitch(k: int, element_size: int) -> int:
     """Elements between two padded rows of k elements: k's bytes rounded up to PITCH_BYTES."""
     return -(-k * element_size // PITCH_BYTES) * PITCH_BYTES // element_size
+
+
+def whole_boxes(k: int, element_size: int) -> bool:
+    """Whether contiguous rows of k elements reach the GEMM (padded where `needs_padding`
+    says) a whole number of 128-byte TMA boxes apart."""
+    pitch = k * element_size
+    if pitch % SECTOR_BYTES:
+        pitch = padded_pitch(k, element_size) * element_size
+    return pitch % PITCH_BYTES == 0
 
 
 class PaddedRows:
@@ -52,8 +64,17 @@ class PaddedRows:
         out = buf[:rows, :k]
         source = (t.data_ptr(), rows)
         if changed or self._source != source:
-            # bytes as bytes: e4m3 copies need no float8 kernels
-            (out.view(torch.uint8) if t.element_size() == 1 else out).copy_(
-                t.view(torch.uint8) if t.element_size() == 1 else t)
+            _copy_rows(out, t)
             self._source = source
         return out
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = src bit for bit, in 8-byte words where both tensors' rows, pitches and starts
+    divide into them, else byte by byte (either way no float8 kernel is needed)."""
+    d, s = dst.view(torch.uint8), src.view(torch.uint8)
+    size = WORD.itemsize
+    if all(b.shape[1] % size == 0 and b.stride(0) % size == 0 and b.storage_offset() % size == 0
+           for b in (d, s)):
+        d, s = d.view(WORD), s.view(WORD)
+    d.copy_(s)

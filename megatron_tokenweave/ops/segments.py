@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megatron_tokenweave.ops.gemm_rows import whole_boxes
 from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
 # One flag per (source, block of BLOCK_ROWS rows, column tile of BLOCK_COLS): the inbox sizes its
@@ -66,8 +67,15 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # "FP8 operands"), and the fitted kernel where FIT_BELOW says so or, over more than
 # FIT_FP8_MIN_K in-features, where it runs its ping-pong mode (long K loops of many tiles per
 # CTA: there 1.10x the Triton kernel at the median of 219 points, Qwen2.5-72B's fc2 at TP 8
-# aside, one H100, docs/results/gemm_fused_1gpu_fp8.json); in blocks ("blocks") the
-# one-consumer tiles only (each K block's product is scaled before it is added).
+# aside, one H100, docs/results/gemm_fused_1gpu_fp8.json), except over more than
+# FP8_PARTIAL_BOX_MAX_K in-features whose rows, as the GEMM gets them (ops/gemm_rows.py), are
+# not whole 128-byte TMA boxes apart: there the one-consumer tiles (Qwen2.5-72B's fc2 at TP 2
+# and 4, K = 14784 and 7392, 18 counts of 1000-16K tokens each: the fitted and ping-pong
+# picks 0.76-0.99x of cuBLAS, the one-consumer kernel 0.93-1.03x, faster at 71 of 72 points
+# of two sweeps, one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong
+# kernel's 0.87-0.93x; at K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the
+# faster); in blocks ("blocks") the one-consumer tiles only (each K block's product is
+# scaled before it is added).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
@@ -109,6 +117,7 @@ FIT_COOP_MIN_ROWS = 96
 FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
 FIT_FP8_MIN_K = 2048
+FP8_PARTIAL_BOX_MAX_K = 4096
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -177,8 +186,10 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW.
     fp8: e4m3 operands scaled as FP8_SCALINGS names: per tensor the same rules, and the
     fitted kernel also over more than FIT_FP8_MIN_K in-features where its tiles take its
-    ping-pong mode; in blocks the fastest one-consumer tiles by `estimated_time` (the only
-    kernel that scales each K block); with FP8_BLOCK_K-deep K blocks."""
+    ping-pong mode, the one-consumer tiles instead over more than FP8_PARTIAL_BOX_MAX_K whose
+    rows are not whole 128-byte boxes apart; in blocks the fastest one-consumer tiles by
+    `estimated_time` (the only kernel that scales each K block); with FP8_BLOCK_K-deep K
+    blocks."""
     if fp8 is not None and fp8 not in FP8_SCALINGS:
         raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
     if fp8 == "blocks":
@@ -189,6 +200,8 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
         # The fitted tiles are worked out only where they may be taken (a per-call host cost).
         if wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW:
             picked = fitted_tiles(layout, world, rows, hidden, ctas)
+        elif fp8 is not None and k > FP8_PARTIAL_BOX_MAX_K and not whole_boxes(k, 1):
+            picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
         elif fp8 is not None and k > FIT_FP8_MIN_K:
             fit = fitted_tiles(layout, world, rows, hidden, ctas)
             picked = picked if fit.cooperative else fit

@@ -173,16 +173,34 @@ def _count_written_inputs() -> list[int]:
     return written
 
 
+def _count_row_copies() -> list[int]:
+    """From now on in this rank, every copy of a GEMM operand into padded rows
+    (ops/gemm_rows.py) appends its rows."""
+    from megatron_tokenweave.ops import gemm_rows
+
+    copies: list[int] = []
+    original = gemm_rows._copy_rows
+
+    def counting(dst, src):
+        copies.append(int(src.shape[0]))
+        return original(dst, src)
+
+    gemm_rows._copy_rows = counting
+    return copies
+
+
 def _parity(rank: int, world: int, te: bool = False,
             layouts: tuple[bool, ...] = (False, True), hybrid: bool = False,
             quant: dict | None = None, shapes: tuple = tuple(SHAPES),
-            padded: bool = False) -> list[tuple]:
+            padded: bool = False, model_shape=None,
+            comms: tuple[str, ...] | None = None) -> list[tuple]:
     """Per layout, mechanism and split (forced, by policy), every shape: the stock and the
     tokenweave model's errors against the fp32 yardstick. GPTModels, or HybridModels of HYBRID
     (replicated layout only); `quant`: FP8 fields of both models' config (the woven FP8 GEMMs
     are counted then: a case whose linears did not all run them, two per fused op, has a
     negative count); `padded`: both models' TE linears wrapped by Megatron's FP8 inference
-    padding, as Megatron's inference wrappers do."""
+    padding, as Megatron's inference wrappers do; `model_shape`: a GPTModel's (models.Shape;
+    default _build's); `comms`: only these mechanisms."""
     from megatron_tokenweave.launch import initialize_model_parallel
 
     initialize_model_parallel(world)
@@ -195,11 +213,13 @@ def _parity(rank: int, world: int, te: bool = False,
                       ("kernel", "gemm")]
         if not te:
             mechanisms.append(("reference", "fused"))
+        mechanisms = [m for m in mechanisms if comms is None or m[1] in comms]
         for backend, comm in mechanisms:
             for split in ({"split_threshold": 0}, {}):
                 tw_kwargs = {"backend": backend, "comm": comm, **split}
                 stock, tw, golden = (_build_hybrid(world, tw_kwargs, te, quant) if hybrid
-                                     else _build(world, sp, tw_kwargs, te=te, quant=quant))
+                                     else _build(world, sp, tw_kwargs, te=te, quant=quant,
+                                                 shape=model_shape))
                 if padded:
                     from megatron.core.fp8_utils import prepare_model_for_fp8_inference
 
@@ -371,6 +391,36 @@ def test_fp8_under_megatrons_fp8_inference_padding_ranks_sharing_one_gpu(recipe)
             assert woven >= 4, f"{case}: woven {woven} (negative: without FP8 GEMMs)"
     print(f"max error vs fp32 (TE FP8 {recipe}, padded): stock {max(r[5] for r in results):.3e}, "
           f"tokenweave {max(r[6] for r in results):.3e}")
+
+
+# fc2's FP8 rows at TP 2 are 1424 bytes (ffn 2848 / 2): 16 past a 32-byte sector, so the
+# GEMM-fused mechanism hands them over padded (ops/gemm_rows.py), as Qwen2.5-72B's at TP 8.
+PADDED_FFN = 2848
+
+
+def _padded_rows_parity(rank: int, world: int, quant: dict) -> tuple[list[tuple], int]:
+    """_parity of the GEMM-fused mechanism on a model whose fc2 rows are padded, and how many
+    operand copies into padded rows this rank made."""
+    from megatron_tokenweave.models import Shape
+
+    copies = _count_row_copies()
+    results = _parity(rank, world, True, (False,), False, quant, FP8_SHAPES,
+                      model_shape=Shape(1024, PADDED_FFN, 8, 2, vocab=1024), comms=("gemm",))
+    return results, len(copies)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_padded_rows_match_te_fp8_spec_ranks_sharing_one_gpu(recipe):
+    """The FP8 GEMM-fused mechanism where fc2's e4m3 rows start off a 32-byte sector (TP 2
+    sharing GPU 0): x copied into padded rows per call, the cached FP8 weight once; split forced
+    and by policy, within the stock FP8 model's error, and operands were padded."""
+    _one_gpu_te()
+    quant = {"fp8": "e4m3", "fp8_recipe": recipe}
+    results, copies = spawn(_padded_rows_parity, 2, quant, backend="gloo")[0]
+    _check_parity(results, f"TE FP8 {recipe}, padded fc2 rows, 2 ranks on one GPU",
+                  written=recipe in FP8_WRITTEN)
+    assert copies > 0, "no operand was copied into padded rows"
 
 
 def _families(rank: int, world: int) -> list[tuple]:
