@@ -19,11 +19,12 @@ from megatron_tokenweave.communicator import Communicator
 from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
+from megatron_tokenweave.ops.gemm_rows import whole_boxes
 from megatron_tokenweave.ops.segments import (
     FIT_FP8_MIN_K,
     FIT_MIN_CALL,
     FP8_BLOCK_K,
-    FP8_PARTIAL_BOX_MAX_K,
+    FP8_PARTIAL_BOX_MIN_K,
     FP8_SCALINGS,
     LARGE,
     SMALL,
@@ -55,6 +56,7 @@ def test_block_scales_dequantize_element_by_element(rows, n, k):
     w_scale_inv[j // 128, c // 128] (the scales' padded columns never read; a last K block
     short of 128, K = 208 and 3696, with its own scales)."""
     x, w, ops = _operands(rows, n, k, True, rows + n)
+    ops.check(x, w)  # a last K block short of 128 is taken
     xf, wf = ops.dequantized(x, w)
     assert xf.shape == x.shape and wf.shape == w.shape
     c = k - 1  # the last column: in the short block
@@ -107,8 +109,9 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
     """Per-tensor scales: the 16-bit pick (ping-pong where it would take the call, the fitted
     kernel where its wave rule says so), and the fitted kernel also over more than
     FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode, but the one-consumer
-    tiles over more than FP8_PARTIAL_BOX_MAX_K whose rows are not whole 128-byte boxes apart
-    (K = 7392); block scales: the fastest one-consumer tiles by estimated time, never fitted;
+    tiles over more than FP8_PARTIAL_BOX_MIN_K whose rows are not whole 128-byte boxes apart
+    (K = 7392; with or without the fitted kernel, not where its wave rule takes the call);
+    block scales: the fastest one-consumer tiles by estimated time, never fitted;
     all with K blocks of FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
     for rows, (hidden, k, ctas), fitted in itertools.product(
@@ -119,7 +122,7 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         call_rows = rows * (world if layout is Layout.SEQUENCE_PARALLEL else 1)
         long = fitted and call_rows >= FIT_MIN_CALL and not sixteen.fitted
-        partial_box = long and k > FP8_PARTIAL_BOX_MAX_K and k % 128 != 0
+        partial_box = k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1) and not sixteen.fitted
         long_k = long and not partial_box and k > FIT_FP8_MIN_K and not fit.cooperative
         for scaling in FP8_SCALINGS:
             t = tiles_for(layout, world, rows, hidden, k, ctas, fitted=fitted, fp8=scaling)

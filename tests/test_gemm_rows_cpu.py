@@ -10,6 +10,7 @@ from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.gemm_rows import (
     PITCH_BYTES,
     PaddedRows,
+    copy_views,
     needs_padding,
     padded_pitch,
     whole_boxes,
@@ -81,15 +82,23 @@ def test_gemm_operand_check_refuses_rows_the_kernels_cannot_read():
     check_gemm_operands(x, w, "test")
 
 
-@pytest.mark.parametrize("start,k", [(0, 3696), (8, 3696), (1, 3696), (0, 3693)])
-def test_padded_rows_copy_any_source_exactly(start, k):
-    """Sources the copy moves in 8-byte words (rows, pitch and start divisible) and those it
-    moves byte by byte (a start one byte in, an odd width) come back bit-identical."""
-    base = _e4m3(9, 4008, start + k)  # rows 8 bytes past a sector apart: padded
-    x = base[:, start:start + k]
-    got = PaddedRows()(x)
-    assert got.stride(0) == padded_pitch(k, 1)
-    assert torch.equal(got.view(torch.uint8), x.view(torch.uint8))
+@pytest.mark.parametrize("start,k,step,unit", [(0, 3696, 1, torch.int64),
+                                               (8, 3696, 1, torch.int64),
+                                               (1, 3696, 1, torch.uint8),
+                                               (0, 3693, 1, torch.uint8),
+                                               (0, 1848, 2, None)])
+def test_padded_rows_copy_any_source_exactly(start, k, step, unit):
+    """Sources the copy moves in 8-byte words (rows, pitch and start divisible), byte by byte
+    (a start one byte in, an odd width) or element by element (rows not contiguous) come back
+    bit-identical, each moved in the unit named."""
+    base = _e4m3(9, 8016, start + k)  # rows 16 bytes past a sector apart: padded
+    x = base[:, start:start + k * step:step]
+    pad = PaddedRows()
+    got = pad(x)
+    assert got.shape == x.shape and got.stride() == (padded_pitch(k, 1), 1)
+    assert torch.equal(got.view(torch.uint8), x.contiguous().view(torch.uint8))
+    d, s = copy_views(got, x)
+    assert d.dtype == s.dtype == (unit or x.dtype)
 
 
 @pytest.mark.parametrize("k,esize,whole", [(3584, 1, True), (3696, 1, True), (7392, 1, False),

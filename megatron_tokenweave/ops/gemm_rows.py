@@ -70,11 +70,20 @@ class PaddedRows:
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst = src bit for bit, in 8-byte words where both tensors' rows, pitches and starts
-    divide into them, else byte by byte (either way no float8 kernel is needed)."""
+    """dst = src bit for bit (`copy_views`)."""
+    d, s = copy_views(dst, src)
+    d.copy_(s)
+
+
+def copy_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The views a copy of src into dst moves: 8-byte words where both tensors' rows are
+    contiguous and their widths, pitches and addresses divide into words, else bytes where
+    their rows are contiguous (no float8 kernel either way), else the tensors themselves."""
+    if dst.stride(-1) != 1 or src.stride(-1) != 1:
+        return dst, src
     d, s = dst.view(torch.uint8), src.view(torch.uint8)
     size = WORD.itemsize
-    if all(b.shape[1] % size == 0 and b.stride(0) % size == 0 and b.storage_offset() % size == 0
+    if all(b.shape[1] % size == 0 and b.stride(0) % size == 0 and b.data_ptr() % size == 0
            for b in (d, s)):
-        d, s = d.view(WORD), s.view(WORD)
-    d.copy_(s)
+        return d.view(WORD), s.view(WORD)
+    return d, s

@@ -68,14 +68,16 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # FIT_FP8_MIN_K in-features, where it runs its ping-pong mode (long K loops of many tiles per
 # CTA: there 1.10x the Triton kernel at the median of 219 points, Qwen2.5-72B's fc2 at TP 8
 # aside, one H100, docs/results/gemm_fused_1gpu_fp8.json), except over more than
-# FP8_PARTIAL_BOX_MAX_K in-features whose rows, as the GEMM gets them (ops/gemm_rows.py), are
-# not whole 128-byte TMA boxes apart: there the one-consumer tiles (Qwen2.5-72B's fc2 at TP 2
-# and 4, K = 14784 and 7392, 18 counts of 1000-16K tokens each: the fitted and ping-pong
-# picks 0.76-0.99x of cuBLAS, the one-consumer kernel 0.93-1.03x, faster at 71 of 72 points
-# of two sweeps, one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong
-# kernel's 0.87-0.93x; at K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the
-# faster); in blocks ("blocks") the one-consumer tiles only (each K block's product is
-# scaled before it is added).
+# FP8_PARTIAL_BOX_MIN_K in-features whose rows, as the GEMM gets them (ops/gemm_rows.py), are
+# not whole 128-byte TMA boxes apart: there the one-consumer tiles, with or without the fitted
+# kernel, but where its wave rule takes the call (Qwen2.5-72B's fc2 at TP 2 and 4, K = 14784
+# and 7392, 1000-16K tokens but 1279, 18 counts each: the picks, the fitted kernel's ping-pong
+# mode or the Triton ping-pong kernel, 0.76-0.99x of cuBLAS, the Triton ping-pong kernel alone
+# 0.62-0.94x, the one-consumer kernel 0.93-1.03x, faster at 71 of 72 points of two sweeps,
+# one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong pick's 0.87-0.93x; at
+# K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the faster); in blocks
+# ("blocks") the one-consumer tiles only (each K block's product is scaled before it is
+# added).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
@@ -117,7 +119,7 @@ FIT_COOP_MIN_ROWS = 96
 FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
 FIT_FP8_MIN_K = 2048
-FP8_PARTIAL_BOX_MAX_K = 4096
+FP8_PARTIAL_BOX_MIN_K = 4096
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -186,8 +188,9 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW.
     fp8: e4m3 operands scaled as FP8_SCALINGS names: per tensor the same rules, and the
     fitted kernel also over more than FIT_FP8_MIN_K in-features where its tiles take its
-    ping-pong mode, the one-consumer tiles instead over more than FP8_PARTIAL_BOX_MAX_K whose
-    rows are not whole 128-byte boxes apart; in blocks the fastest one-consumer tiles by
+    ping-pong mode; the one-consumer tiles instead over more than FP8_PARTIAL_BOX_MIN_K whose
+    rows are not whole 128-byte boxes apart (but where the fitted kernel's wave rule takes the
+    call); in blocks the fastest one-consumer tiles by
     `estimated_time` (the only kernel that scales each K block); with FP8_BLOCK_K-deep K
     blocks."""
     if fp8 is not None and fp8 not in FP8_SCALINGS:
@@ -196,15 +199,15 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
         return replace(one_consumer_tiles(layout, world, rows, hidden, ctas),
                        block_k=FP8_BLOCK_K)
     picked = _triton_tiles(layout, world, rows, hidden, k, ctas)
-    if fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL:
-        # The fitted tiles are worked out only where they may be taken (a per-call host cost).
-        if wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW:
-            picked = fitted_tiles(layout, world, rows, hidden, ctas)
-        elif fp8 is not None and k > FP8_PARTIAL_BOX_MAX_K and not whole_boxes(k, 1):
-            picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
-        elif fp8 is not None and k > FIT_FP8_MIN_K:
-            fit = fitted_tiles(layout, world, rows, hidden, ctas)
-            picked = picked if fit.cooperative else fit
+    # The fitted tiles are worked out only where they may be taken (a per-call host cost).
+    may_fit = fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
+    if may_fit and wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW:
+        picked = fitted_tiles(layout, world, rows, hidden, ctas)
+    elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
+        picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
+    elif may_fit and fp8 is not None and k > FIT_FP8_MIN_K:
+        fit = fitted_tiles(layout, world, rows, hidden, ctas)
+        picked = picked if fit.cooperative else fit
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
 
 

@@ -173,20 +173,33 @@ def _count_written_inputs() -> list[int]:
     return written
 
 
-def _count_row_copies() -> list[int]:
-    """From now on in this rank, every copy of a GEMM operand into padded rows
-    (ops/gemm_rows.py) appends its rows."""
+def _count_row_copies() -> tuple[list[int], dict]:
+    """From now on in this rank, every operand copy into padded rows (ops/gemm_rows.py): x's
+    (called without a `changed` flag) append their rows to the list; the weights' (called
+    with one) count per PaddedRows instance in the dict (instance -> copies)."""
     from megatron_tokenweave.ops import gemm_rows
 
-    copies: list[int] = []
-    original = gemm_rows._copy_rows
+    xs: list[int] = []
+    weights: dict = {}
+    copied = [0]
+    original_copy, original_call = gemm_rows._copy_rows, gemm_rows.PaddedRows.__call__
 
-    def counting(dst, src):
-        copies.append(int(src.shape[0]))
-        return original(dst, src)
+    def counting_copy(dst, src):
+        copied[0] += 1
+        return original_copy(dst, src)
 
-    gemm_rows._copy_rows = counting
-    return copies
+    def counting_call(self, t, *args):
+        before = copied[0]
+        out = original_call(self, t, *args)
+        if args:
+            weights[self] = weights.get(self, 0) + copied[0] - before
+        elif copied[0] > before:
+            xs.append(int(t.shape[0]))
+        return out
+
+    gemm_rows._copy_rows = counting_copy
+    gemm_rows.PaddedRows.__call__ = counting_call
+    return xs, weights
 
 
 def _parity(rank: int, world: int, te: bool = False,
@@ -398,29 +411,31 @@ def test_fp8_under_megatrons_fp8_inference_padding_ranks_sharing_one_gpu(recipe)
 PADDED_FFN = 2848
 
 
-def _padded_rows_parity(rank: int, world: int, quant: dict) -> tuple[list[tuple], int]:
-    """_parity of the GEMM-fused mechanism on a model whose fc2 rows are padded, and how many
-    operand copies into padded rows this rank made."""
+def _padded_rows_parity(rank: int, world: int, quant: dict) -> tuple[list[tuple], int, list]:
+    """_parity of the GEMM-fused mechanism on a model whose fc2 rows are padded; how many x
+    halves this rank copied into padded rows, and how often each padded weight was copied."""
     from megatron_tokenweave.models import Shape
 
-    copies = _count_row_copies()
+    xs, weights = _count_row_copies()
     results = _parity(rank, world, True, (False,), False, quant, FP8_SHAPES,
                       model_shape=Shape(1024, PADDED_FFN, 8, 2, vocab=1024), comms=("gemm",))
-    return results, len(copies)
+    return results, len(xs), [n for n in weights.values() if n]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_fp8_padded_rows_match_te_fp8_spec_ranks_sharing_one_gpu(recipe):
     """The FP8 GEMM-fused mechanism where fc2's e4m3 rows start off a 32-byte sector (TP 2
-    sharing GPU 0): x copied into padded rows per call, the cached FP8 weight once; split forced
-    and by policy, within the stock FP8 model's error, and operands were padded."""
+    sharing GPU 0): split forced and by policy, within the stock FP8 model's error; x copied
+    into padded rows per call (every half of every forward), each layer's cached FP8 weight
+    once (2 models of 2 layers: 4 weights, 1 copy each)."""
     _one_gpu_te()
     quant = {"fp8": "e4m3", "fp8_recipe": recipe}
-    results, copies = spawn(_padded_rows_parity, 2, quant, backend="gloo")[0]
+    results, x_copies, weight_copies = spawn(_padded_rows_parity, 2, quant, backend="gloo")[0]
     _check_parity(results, f"TE FP8 {recipe}, padded fc2 rows, 2 ranks on one GPU",
                   written=recipe in FP8_WRITTEN)
-    assert copies > 0, "no operand was copied into padded rows"
+    assert x_copies >= len(results), f"{x_copies} x copies over {len(results)} forwards"
+    assert weight_copies == [1, 1, 1, 1], f"padded weights copied {weight_copies} times"
 
 
 def _families(rank: int, world: int) -> list[tuple]:
