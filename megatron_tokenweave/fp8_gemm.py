@@ -288,6 +288,8 @@ def gemms(module: Any, x: torch.Tensor, written_for: Any | None = None) -> Itera
         weight, changed = _weight(module, weight_q)
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         fprop = getattr(recipe, "fp8_gemm_fprop", None)
-        padded = module.__dict__.setdefault(_PADDED, (PaddedRows(), PaddedRows()))
+        padded = module.__dict__.get(_PADDED)
+        if padded is None:  # made once per module, not per call
+            padded = module.__dict__[_PADDED] = (PaddedRows(), PaddedRows())
         yield Fp8Gemm(input_q, weight, bool(getattr(fprop, "use_split_accumulator", False)),
                       padded, changed)
