@@ -38,7 +38,7 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, scale_stride
 from megatron_tokenweave.ops.gemm_emulation import reduce_owned, store_to_owners
 from megatron_tokenweave.ops.reference import fused_allreduce_rmsnorm_reference
-from megatron_tokenweave.ops.segments import SETS, Segments, slot_rows
+from megatron_tokenweave.ops.segments import SETS, Segments, fits_long_k, slot_rows
 from megatron_tokenweave.ops.validate import (
     MAX_HIDDEN,
     MAX_RANKS,
@@ -258,8 +258,10 @@ class Communicator:
         self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
         self._inbox = None  # prepare_gemm(): kernels.GemmInbox, or the emulation's slots
         # prepare_gemm(): the fitted GEMM kernel runs here (ops/segments.tiles_for may pick it;
-        # every rank of a node has the same GPUs and build, so every rank picks alike)
+        # every rank of a node has the same GPUs and build, so every rank picks alike), and
+        # the device's rule for long-K calls of many tiles (ops/segments.fits_long_k)
         self.fitted_gemm = False
+        self.fitted_long_k = False
         self._fp8_rows = None  # prepare_fp8_rows(): (e4m3 rows, each half's scales)
         self._errors = None  # pinned int32 [ERROR_WORDS], copied by record_errors()
         if self.backend == "kernel":
@@ -394,6 +396,7 @@ class Communicator:
                                            self.device, self.agreement.timeout_s)
             self._inbox.attach(self.kernel.handle)
             self.fitted_gemm = fitted_gemm_available(self.device)
+            self.fitted_long_k = fits_long_k(torch.cuda.get_device_name(self.device))
         else:
             world = dist.get_world_size(self.group)
             self._inbox = torch.zeros(world, slot_rows(self.max_tokens, world), self.hidden,

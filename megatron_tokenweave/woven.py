@@ -153,7 +153,8 @@ class WovenForward:
         seg = half_segments(self.layout, self.world, self.halves, i, hidden=weight.shape[0],
                             k=weight.shape[1], ctas=self.gemm_ctas, first=first,
                             chunk_stride=stride, fitted=self.comm.fitted_gemm,
-                            fp8=None if ops is None else ops.scaling)
+                            fp8=None if ops is None else ops.scaling,
+                            long_k=self.comm.fitted_long_k)
         self.gemm_segments[i] = seg
         self.comm.row_gemm(x, weight, bias, seg, i, ctas=self.gemm_ctas, call=self.site * 2 + i,
                            validate=self.validate, fp8=ops)

@@ -26,6 +26,8 @@ from megatron_tokenweave.ops.segments import (
     FIT_BELOW,
     FIT_COOP_MAX_WAVES,
     FIT_COOP_MIN_ROWS,
+    FIT_LONG_K,
+    FIT_LONG_MIN_TILES,
     FIT_MAX_ROWS,
     FIT_MIN_CALL,
     FIT_MIN_ROWS,
@@ -41,6 +43,7 @@ from megatron_tokenweave.ops.segments import (
     TILES,
     WIDE,
     estimated_time,
+    fits_long_k,
     fitted_tiles,
     half_segments,
     release_for,
@@ -309,6 +312,42 @@ def test_fitted_kernel_of_the_measured_shapes():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_long_k_rule_of_the_device(layout):
+    """On a device of FIT_LONG_K_DEVICES (long_k), a 16-bit call over more than FIT_LONG_K
+    in-features with at least FIT_LONG_MIN_TILES ping-pong tiles a CTA takes the fitted kernel
+    where its tiles are in ping-pong mode; every other call keeps the pick it has without the
+    rule, and without long_k (or without the fitted kernel, or with e4m3 operands, which have
+    their own long-K rule) nothing changes."""
+    world, hidden, ctas = 2, 8192, 132
+    changed = 0
+    for k, rows in itertools.product((512, 1024, 1025, 3584, 14336), range(512, 17000, 499)):
+        base = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
+        got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, long_k=True)
+        total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
+        per_cta = -(-total // 128) * (hidden // 128) / ctas
+        fit = fitted_tiles(layout, world, rows, hidden, ctas)
+        rule = k > FIT_LONG_K and per_cta >= FIT_LONG_MIN_TILES and not fit.cooperative
+        assert got == (fit if rule and not base.fitted else base), (k, rows)
+        changed += got != base
+        assert tiles_for(layout, world, rows, hidden, k, ctas, long_k=True) == tiles_for(
+            layout, world, rows, hidden, k, ctas), (k, rows)
+        for scaling in ("tensor", "blocks"):
+            assert tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, fp8=scaling,
+                             long_k=True) == tiles_for(layout, world, rows, hidden, k, ctas,
+                                                       fitted=True, fp8=scaling), (k, rows)
+    assert changed > 0
+    seg = segments(layout, world, 12289, hidden=hidden, k=14336, ctas=ctas, fitted=True,
+                   long_k=True)
+    assert seg.tiles.fitted and not seg.tiles.cooperative and seg.release == "consumer"
+
+
+def test_long_k_devices_by_name():
+    """The rule's devices by the names torch gives them: the H100s, not the H200."""
+    assert fits_long_k("NVIDIA H100 80GB HBM3") and fits_long_k("NVIDIA H100 PCIe")
+    assert not fits_long_k("NVIDIA H200") and not fits_long_k("NVIDIA A100-SXM4-80GB")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_fitted_segments_are_released_by_their_consumer(layout):
     """The fitted kernel's rows are published by the consumer (one flag per source: the
     segment is one block of one tile in the consumer's geometry); forcing the GEMM's release
@@ -510,6 +549,26 @@ def test_gemm_fused_plot_draws_one_or_several_models(tmp_path, cutlass, passes):
         path = tmp_path / f"{len(models)}_{cutlass}_{passes}.png"
         gemm_fused._plot(dict(gpu="H200", rows=rows), str(path))
         assert path.stat().st_size > 0
+
+
+def test_gemm_fused_blocks_without_a_reference(tmp_path):
+    """bench gemm_fused --dtypes fp8_blocks: the shards whose K/128 is not a multiple of 4 have
+    no cuBLAS reference (`cublas_blocks_ok`) and are left out, so a result may hold one GEMM of a
+    (model, TP) or none; its summary line and plot take that. cuBLAS runs the count rounded up
+    to 4 rows (`block_rows`)."""
+    pytest.importorskip("matplotlib")
+    from megatron_tokenweave.bench import gemm_fused
+
+    assert [gemm_fused.cublas_blocks_ok(k) for k in (512, 1792, 3584, 14784, 7392, 2368)] == [
+        True, False, True, True, False, False]
+    assert [gemm_fused.block_rows(t) for t in (512, 513, 515, 516)] == [512, 516, 516, 516]
+    us = {("o_proj", "cublas"): 10.0, ("o_proj", "tokenweave"): 20.0}
+    assert gemm_fused._summary(us) == "o_proj cublas/tokenweave 0.500 ()"
+    rows = [dict(model="qwen2.5-7b", gemm="o_proj", tp=8, tokens=t, dtype="fp8_blocks", impl=i,
+                 us=10.0 + t / 1000) for t in (512, 1024) for i in ("cublas", "tokenweave")]
+    path = tmp_path / "blocks.png"
+    gemm_fused._plot(dict(gpu="H100", rows=rows), str(path))
+    assert path.stat().st_size > 0
 
 
 @pytest.mark.parametrize("tokens,hidden", [(513, 4096), (777, 8192), (5003, 3584)])

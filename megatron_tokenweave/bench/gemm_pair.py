@@ -157,7 +157,7 @@ def woven_linear(comm, layout: Layout, x: torch.Tensor, weight: torch.Tensor,
             seg = half_segments(layout, world, halves, i, hidden=weight.shape[0],
                                 k=weight.shape[1], ctas=ctas, first=h.offset,
                                 chunk_stride=x.shape[1], tiles=tiles, release=release,
-                                fitted=comm.fitted_gemm)
+                                fitted=comm.fitted_gemm, long_k=comm.fitted_long_k)
             comm.row_gemm(x.reshape(-1, x.shape[-1]), weight, bias, seg, i, validate=validate,
                           ctas=ctas, call=call * 2 + i)
             taken.append(seg)

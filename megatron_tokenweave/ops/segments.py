@@ -120,6 +120,24 @@ FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
 FIT_FP8_MIN_K = 2048
 FP8_PARTIAL_BOX_MIN_K = 4096
+# The device matters for 16-bit calls of many tiles: on an H100 (HBM3, 3.35 TB/s) the Triton
+# ping-pong kernel fell to 0.87-0.91x of cuBLAS at the median at 10K-16K tokens of long-K
+# shards (0.70x at Llama-3.3-70B's fc2 at TP 2) where the fitted kernel's ping-pong mode held
+# 0.97-1.0x, while on an H200 (HBM3e, 4.8 TB/s) the Triton kernel was the faster at most such
+# points (docs/kernel.md "16-bit on an H100"). On devices whose name holds one of
+# FIT_LONG_K_DEVICES (`fits_long_k`), the fitted kernel's ping-pong mode also takes 16-bit
+# calls over more than FIT_LONG_K in-features with at least FIT_LONG_MIN_TILES 128 x 128 tiles
+# a CTA (one H100's fp16 sweep: faster than the Triton pick at 203 of the 253 points it
+# changes, 1.11x at the median).
+FIT_LONG_K_DEVICES = ("H100",)
+FIT_LONG_K = 1024
+FIT_LONG_MIN_TILES = 8
+
+
+def fits_long_k(device_name: str) -> bool:
+    """Whether the fitted kernel takes long-K 16-bit calls of many tiles on this device (its name
+    as torch.cuda.get_device_name gives it; FIT_LONG_K_DEVICES)."""
+    return any(d in device_name for d in FIT_LONG_K_DEVICES)
 
 
 def row_blocks(layout: Layout, world: int, rows: int, block_rows: int) -> int:
@@ -176,7 +194,8 @@ def wave_efficiency(t: GemmTiles, layout: Layout, world: int, rows: int, hidden:
 
 
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
-              ctas: int, fitted: bool = False, fp8: str | None = None) -> GemmTiles:
+              ctas: int, fitted: bool = False, fp8: str | None = None,
+              long_k: bool = False) -> GemmTiles:
     """The tiles of a call over k in-features: the ping-pong kernel's where it was measured
     faster (enough tiles per CTA, fewer for short K; in WIDE's place for long K) and its waves
     take no longer than the best one-consumer tiles' (`estimated_time`), else those: large
@@ -192,7 +211,9 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     rows are not whole 128-byte boxes apart (but where the fitted kernel's wave rule takes the
     call); in blocks the fastest one-consumer tiles by
     `estimated_time` (the only kernel that scales each K block); with FP8_BLOCK_K-deep K
-    blocks."""
+    blocks. long_k: the device is one of FIT_LONG_K_DEVICES (`fits_long_k`): 16-bit calls
+    over more than FIT_LONG_K in-features with at least FIT_LONG_MIN_TILES ping-pong tiles a
+    CTA take the fitted kernel where its tiles take its ping-pong mode."""
     if fp8 is not None and fp8 not in FP8_SCALINGS:
         raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
     if fp8 == "blocks":
@@ -205,7 +226,7 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
         picked = fitted_tiles(layout, world, rows, hidden, ctas)
     elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
         picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
-    elif may_fit and fp8 is not None and k > FIT_FP8_MIN_K:
+    elif may_fit and _long_k_call(layout, world, rows, hidden, k, ctas, fp8, long_k):
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         picked = picked if fit.cooperative else fit
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
@@ -224,13 +245,31 @@ def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
     if (estimated_time(PINGPONG, layout, world, rows, hidden, ctas)
             > estimated_time(one, layout, world, rows, hidden, ctas)):
         return one
-    per_cta = (row_blocks(layout, world, rows, PINGPONG.block_rows)
-               * PINGPONG.col_tiles(hidden) / max(1, ctas))
+    per_cta = _pingpong_tiles_per_cta(layout, world, rows, hidden, ctas)
     if per_cta >= (PINGPONG_MIN_TILES_SHORT_K if k <= PINGPONG_MAX_K else PINGPONG_MIN_TILES):
         return PINGPONG
     # WIDE's 64 x 256 tiles against as many 128 x 128 ping-pong ones, which load a fifth fewer
     # operand bytes each: on long K the ping-pong kernel measured faster (docs/kernel.md).
     return PINGPONG if one is WIDE and k > PINGPONG_MAX_K else one
+
+
+def _long_k_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
+                 fp8: str | None, long_k: bool) -> bool:
+    """Whether a call is long-K enough for the fitted kernel's ping-pong mode (`tiles_for`):
+    e4m3 operands over more than FIT_FP8_MIN_K in-features; 16-bit ones, on a device of
+    FIT_LONG_K_DEVICES (long_k), over more than FIT_LONG_K with at least FIT_LONG_MIN_TILES
+    ping-pong tiles a CTA."""
+    if fp8 is not None:
+        return k > FIT_FP8_MIN_K
+    return (long_k and k > FIT_LONG_K and _pingpong_tiles_per_cta(layout, world, rows, hidden,
+                                                                   ctas) >= FIT_LONG_MIN_TILES)
+
+
+def _pingpong_tiles_per_cta(layout: Layout, world: int, rows: int, hidden: int,
+                            ctas: int) -> float:
+    """The ping-pong kernel's 128 x 128 tiles of a call per CTA."""
+    return (row_blocks(layout, world, rows, PINGPONG.block_rows) * PINGPONG.col_tiles(hidden)
+            / max(1, ctas))
 
 
 def release_for(t: GemmTiles, tiles: int, ctas: int) -> str:
@@ -308,7 +347,7 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
              first: int = 0, chunk_stride: int = 0, chunk_row0: int = 0, set_index: int = 0,
              first_set_rows: int = 0, tiles: GemmTiles | None = None,
              release: str | None = None, fitted: bool = False,
-             fp8: str | None = None) -> Segments:
+             fp8: str | None = None, long_k: bool = False) -> Segments:
     """The segments of a call over `rows` rows of every chunk (sequence parallel) or of all
     rows (replicated), for a hidden-wide output of k in-features computed on `ctas` persistent
     CTAs (which pick the tiles: `tiles_for`).
@@ -324,12 +363,13 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
     fitted: the fitted kernel may take the call (`tiles_for`) unless the GEMM's release is
         forced; its rows always have the consumer's release.
     fp8: the GEMM's operands are e4m3, scaled as FP8_SCALINGS names (`tiles_for`).
+    long_k: the device's rule for long-K calls of many tiles (`tiles_for`, `fits_long_k`).
     """
     if release is not None and release not in RELEASES:
         raise TokenWeaveInputError(f"release must be one of {RELEASES}, got {release!r}")
     # A forced GEMM release keeps the Triton kernels (the fitted one cannot release its rows).
     tiles = tiles or tiles_for(layout, world, rows, hidden, k, ctas,
-                               fitted and release != "gemm", fp8)
+                               fitted and release != "gemm", fp8, long_k)
     if tiles.fitted and release == "gemm":
         raise TokenWeaveInputError("the fitted kernel's rows are released by its consumer only")
     release = release or ("consumer" if tiles.fitted else release_for(
@@ -350,15 +390,16 @@ def segments(layout: Layout, world: int, rows: int, *, hidden: int, k: int, ctas
 def half_segments(layout: Layout, world: int, halves: tuple, i: int, *, hidden: int, k: int,
                   ctas: int, first: int = 0, chunk_stride: int = 0,
                   tiles: GemmTiles | None = None, release: str | None = None,
-                  fitted: bool = False, fp8: str | None = None) -> Segments:
+                  fitted: bool = False, fp8: str | None = None,
+                  long_k: bool = False) -> Segments:
     """The segments of the woven schedule's half i (`halves`: schedule.Half of every chunk, one
     or two), inbox set i; the GEMM reads its rows at `first` of every chunk of x, chunks
-    `chunk_stride` rows apart (`segments` says how, and what `tiles`, `release`, `fitted` and
-    `fp8` do)."""
+    `chunk_stride` rows apart (`segments` says how, and what `tiles`, `release`, `fitted`,
+    `fp8` and `long_k` do)."""
     return segments(layout, world, halves[i].rows, hidden=hidden, k=k, ctas=ctas, first=first,
                     chunk_stride=chunk_stride, chunk_row0=halves[i].offset, set_index=i,
                     first_set_rows=halves[0].rows, tiles=tiles, release=release, fitted=fitted,
-                    fp8=fp8)
+                    fp8=fp8, long_k=long_k)
 
 
 def slot_rows(max_tokens: int, world: int) -> int:
