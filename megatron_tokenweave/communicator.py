@@ -257,9 +257,9 @@ class Communicator:
         self.kernel = None
         self._mirror = None  # prepare_copy_engine(), made on the first copy-engine forward
         self._inbox = None  # prepare_gemm(): kernels.GemmInbox, or the emulation's slots
-        # prepare_gemm(): the fitted GEMM kernel runs here (ops/segments.tiles_for may pick it;
-        # every rank of a node has the same GPUs and build, so every rank picks alike), and
-        # the device's rule for long-K calls of many tiles (ops/segments.fits_long_k)
+        # prepare_gemm(): the fitted GEMM kernel runs on every rank (ops/segments.tiles_for may
+        # pick it), and every rank's device has the rule for long-K calls of many tiles
+        # (ops/segments.fits_long_k); both agreed over the group, so every rank picks alike
         self.fitted_gemm = False
         self.fitted_long_k = False
         self._fp8_rows = None  # prepare_fp8_rows(): (e4m3 rows, each half's scales)
@@ -395,8 +395,12 @@ class Communicator:
             self._inbox = GemmInbox.create(self.group, self.max_tokens, self.hidden, self.dtype,
                                            self.device, self.agreement.timeout_s)
             self._inbox.attach(self.kernel.handle)
-            self.fitted_gemm = fitted_gemm_available(self.device)
-            self.fitted_long_k = fits_long_k(torch.cuda.get_device_name(self.device))
+            fitted = fitted_gemm_available(self.device)
+            long_k = fitted and fits_long_k(torch.cuda.get_device_name(self.device))
+            # Every rank must pick the same tiles (their owners' rows, who releases them): the
+            # group takes the fitted kernel and its device rule only where every rank has them.
+            lows, _ = _min_max([int(fitted), int(long_k)], self.group, self.device)
+            self.fitted_gemm, self.fitted_long_k = bool(lows[0]), bool(lows[1])
         else:
             world = dist.get_world_size(self.group)
             self._inbox = torch.zeros(world, slot_rows(self.max_tokens, world), self.hidden,

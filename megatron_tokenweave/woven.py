@@ -64,7 +64,8 @@ class Ops:
 def gemm_ctas(comm: Communicator, plan: Plan, split: bool) -> int:
     """Persistent CTAs of the communicating GEMM: every SM unsplit; beside the other half's op,
     the SMs that op leaves (a CTA waiting for an SM would finish its tiles last). The SMs are
-    the communicator's agreed count, so every rank picks the same tiles and release."""
+    the communicator's agreed count, and its fitted-kernel flags are agreed too (prepare_gemm),
+    so every rank picks the same tiles and release."""
     if comm.device.type != "cuda":
         return 1  # the emulation ignores it
     beside = max(plan.comm_ctas_attn, plan.comm_ctas_mlp) if split else 0

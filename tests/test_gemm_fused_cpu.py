@@ -323,8 +323,7 @@ def test_long_k_rule_of_the_device(layout):
     for k, rows in itertools.product((512, 1024, 1025, 3584, 14336), range(512, 17000, 499)):
         base = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
         got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, long_k=True)
-        total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
-        per_cta = -(-total // 128) * (hidden // 128) / ctas
+        per_cta = row_blocks(layout, world, rows, 128) * (hidden // 128) / ctas
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         rule = k > FIT_LONG_K and per_cta >= FIT_LONG_MIN_TILES and not fit.cooperative
         assert got == (fit if rule and not base.fitted else base), (k, rows)
@@ -561,7 +560,7 @@ def test_gemm_fused_blocks_without_a_reference(tmp_path):
 
     assert [gemm_fused.cublas_blocks_ok(k) for k in (512, 1792, 3584, 14784, 7392, 2368)] == [
         True, False, True, True, False, False]
-    assert [gemm_fused.block_rows(t) for t in (512, 513, 515, 516)] == [512, 516, 516, 516]
+    assert [gemm_fused.cublas_rows(t) for t in (512, 513, 515, 516)] == [512, 516, 516, 516]
     us = {("o_proj", "cublas"): 10.0, ("o_proj", "tokenweave"): 20.0}
     assert gemm_fused._summary(us) == "o_proj cublas/tokenweave 0.500 ()"
     rows = [dict(model="qwen2.5-7b", gemm="o_proj", tp=8, tokens=t, dtype="fp8_blocks", impl=i,
@@ -569,6 +568,8 @@ def test_gemm_fused_blocks_without_a_reference(tmp_path):
     path = tmp_path / "blocks.png"
     gemm_fused._plot(dict(gpu="H100", rows=rows), str(path))
     assert path.stat().st_size > 0
+    gemm_fused._plot(dict(gpu="H100", rows=[]), str(tmp_path / "none.png"))  # nothing measured
+    assert not (tmp_path / "none.png").exists()
 
 
 @pytest.mark.parametrize("tokens,hidden", [(513, 4096), (777, 8192), (5003, 3584)])

@@ -57,7 +57,7 @@ from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
-from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE
+from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, scale_stride
 from megatron_tokenweave.ops.gemm_rows import PaddedRows, needs_padding
 from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
@@ -110,14 +110,15 @@ def _fp8_inputs(alloc: int, tokens: int, n: int, k: int, blocks: bool, dev: torc
 def _scaled_mm(w: torch.Tensor, ops: Fp8Operands, out: torch.Tensor,
                tokens: int) -> Callable[[torch.Tensor], object]:
     """cuBLAS's FP8 GEMM of x[:tokens] and w into `out`, scaled as `ops`. Blocks: over the
-    first `block_rows(tokens)` rows of x and `out` (cuBLAS's block-scaled GEMM refuses a row
+    first `cublas_rows(tokens)` rows of x and `out` (cuBLAS's block-scaled GEMM refuses a row
     count that is not a multiple of 4, and torch's scale_a must be exactly [rows, K/128]
-    outer-dimension-major: at most 3 rows more than asked), scale_a and scale_b [K/128, N/128]
-    outer-dimension-major copies of ops' scales without their padding, made once here (torch
-    takes no other strides; `cublas_blocks_ok` says where cuBLAS then reads them right)."""
+    outer-dimension-major: at most 3 rows more than asked), scale_a [rows, K/128] and scale_b
+    [K/128, N/128] outer-dimension-major copies of ops' scales without their padding, made
+    once here (torch takes no other strides; `cublas_blocks_ok` says where cuBLAS then reads
+    them right)."""
     if ops.blocks:
         kb = -(-w.shape[1] // BLOCK_COLS)
-        rows = block_rows(tokens)
+        rows = cublas_rows(tokens)
         a = ops.x_scale_inv[:, :rows].contiguous().t()
         b = ops.w_scale_inv[:, :kb].contiguous().t()
         return lambda x: torch._scaled_mm(x[:rows], w.t(), a, b, out_dtype=out.dtype,
@@ -135,9 +136,10 @@ def cublas_blocks_ok(k: int) -> bool:
     return -(-k // BLOCK_COLS) % 4 == 0
 
 
-def block_rows(tokens: int) -> int:
-    """The rows cuBLAS's block-scaled FP8 GEMM runs for `tokens` (a multiple of 4)."""
-    return -(-tokens // 4) * 4
+def cublas_rows(tokens: int) -> int:
+    """The rows cuBLAS's block-scaled FP8 GEMM runs for `tokens`: the x scales' stride of rows
+    (a multiple of 4), which the operands' scales are made with."""
+    return scale_stride(tokens)
 
 
 def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
@@ -194,13 +196,13 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                     for tiles in _fitted_variants(tokens, n, sms, triton.tiles.block_k)})
         covered = _covered(seg, tp)
-        alloc = max(tokens, covered, block_rows(tokens) if fp8 == "blocks" else tokens)
+        alloc = max(covered, cublas_rows(tokens) if fp8 == "blocks" else tokens)
         out = torch.empty(alloc, n, device=dev, dtype=torch_dtype)
         if fp8 is not None:
             xs, w, ops = _fp8_inputs(alloc, tokens, n, k, fp8 == "blocks", dev)
             impls = {"cublas": _scaled_mm(w, ops, out, tokens)}
         else:
-            xs = [torch.randn(max(tokens, covered), k, device=dev, dtype=torch_dtype)
+            xs = [torch.randn(alloc, k, device=dev, dtype=torch_dtype)
                   for _ in range(CALLS)]
             w = torch.randn(n, k, device=dev, dtype=torch_dtype) / k**0.5
             ops = None
@@ -314,6 +316,8 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    if not rows:
+        return  # nothing measured (every shard of the call without a reference)
     by = {(r["model"], r["gemm"], r["tp"], r["tokens"], r.get("dtype", "bf16"), r["impl"],
            r.get("pass", 0)): r["us"] for r in rows}
     passes = sorted({r.get("pass", 0) for r in rows})
