@@ -42,6 +42,7 @@ from megatron_tokenweave.ops.segments import SETS, Segments, fits_long_k, slot_r
 from megatron_tokenweave.ops.validate import (
     MAX_HIDDEN,
     MAX_RANKS,
+    VECTOR_BYTES,
     Comm,
     Layout,
     Phase,
@@ -432,7 +433,7 @@ class Communicator:
             raise TokenWeaveInputError("the GEMM-fused mechanism needs prepare_gemm() first")
         if set_index not in range(SETS):
             raise TokenWeaveInputError(f"set_index must be 0 or 1, got {set_index!r}")
-        if x.dim() == 2 and x.shape[1] * x.element_size() % 16:
+        if x.dim() == 2 and x.shape[1] * x.element_size() % VECTOR_BYTES:
             raise TokenWeaveInputError(
                 f"row_gemm: K = {x.shape[1]} {x.dtype} elements are not whole 16-byte vectors")
         check_gemm_operands(x, weight, "row_gemm")

@@ -29,6 +29,7 @@ from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_CTAS,
     MAX_HIDDEN,
+    VECTOR_BYTES,
     Layout,
     Phase,
     TokenWeaveInputError,
@@ -80,7 +81,7 @@ def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
         if t.device != buffer.device:
             raise TokenWeaveInputError(
                 f"{name} is on {t.device}, the symmetric buffer on {buffer.device}")
-        if t.data_ptr() % 16:
+        if t.data_ptr() % VECTOR_BYTES:
             raise TokenWeaveInputError(f"{name} is not 16-byte aligned")
     if not isinstance(ctas, int) or not MIN_CTAS <= ctas <= MAX_CTAS:
         raise TokenWeaveInputError(f"ctas must be an int in [{MIN_CTAS}, {MAX_CTAS}], got {ctas!r}")
@@ -95,7 +96,8 @@ def check_kernel_args(partial: torch.Tensor, residual: torch.Tensor,
             raise TokenWeaveInputError(
                 f"normed_out (offset {buffer.offset_of(normed_out)}) is not inside the symmetric "
                 f"buffer ({buffer.nbytes} bytes): sequence-parallel rows are stored to every peer")
-        if normed_out.shape[0] > 1 and (normed_out.stride(0) * normed_out.element_size()) % 16:
+        pitch = normed_out.stride(0) * normed_out.element_size()
+        if normed_out.shape[0] > 1 and pitch % VECTOR_BYTES:
             raise TokenWeaveInputError("normed_out chunk stride must be a multiple of 16 bytes")
 
 

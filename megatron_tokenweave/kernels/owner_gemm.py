@@ -43,6 +43,7 @@ from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, FP8_BLO
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_RANKS,
+    VECTOR_BYTES,
     VECTOR_ELEMS,
     TokenWeaveInputError,
     check_gemm_operands,
@@ -212,7 +213,7 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             f"rows': {out_dtype}), got x {x.dtype}, weight {weight.dtype}, bias "
             f"{None if bias is None else bias.dtype}")
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    k_align = 16 // x.element_size()  # 16-byte rows of x and the weight
+    k_align = VECTOR_BYTES // x.element_size()  # rows of x and the weight in whole vectors
     if x.dim() != 2 or x.shape[1] != k or k % k_align or n % VECTOR_ELEMS:
         raise TokenWeaveInputError(
             f"the fitted GEMM needs x [rows, K] and weight [N, K] with K a multiple of "
@@ -221,7 +222,7 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     check_gemm_operands(x, weight, "the fitted GEMM")
     if bias is not None and tuple(bias.shape) != (n,):
         raise TokenWeaveInputError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+    if x.data_ptr() % VECTOR_BYTES or weight.data_ptr() % VECTOR_BYTES:
         raise TokenWeaveInputError("the fitted GEMM's x and weight must start 16-byte aligned")
     bn = seg.tiles.block_rows
     if bn % 8 or not FIT_MIN_ROWS <= bn <= FIT_MAX_ROWS:

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-VECTOR_ELEMS = 8  # 16-byte vectors of 2-byte elements
+VECTOR_BYTES = 16  # the kernels' vector: rows, pitches and starts come in whole ones
+VECTOR_ELEMS = VECTOR_BYTES // 2  # a vector of 2-byte elements
 # The CUDA kernel's limits (csrc/include/tokenweave/common.cuh: kMaxCtas, kMaxRanks, and
 # kMaxThreads * kMaxVecsPerThread * kVecElems; a CPU test keeps them equal). Beyond the last two
 # the workspace falls back to the reference op.
@@ -62,11 +63,11 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
 
 def check_gemm_operands(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
     """Raise TokenWeaveInputError unless x [rows, K] and weight [N, K] are 2-D with contiguous
-    rows that start a multiple of 16 bytes apart (a TMA stride) and at least K apart: the
+    rows that start a multiple of VECTOR_BYTES apart (a TMA stride) and at least K apart: the
     communicating GEMM's operands, contiguous or with padded rows (ops/gemm_rows.py)."""
     for name, t in (("x", x), ("weight", weight)):
         if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1] or (
-                t.stride(0) * t.element_size() % 16):
+                t.stride(0) * t.element_size() % VECTOR_BYTES):
             raise TokenWeaveInputError(
                 f"{what} takes a 2-D {name} whose rows are contiguous, at least K apart and "
                 f"a multiple of 16 bytes apart; got shape {tuple(t.shape)}, strides "
