@@ -625,8 +625,10 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
 // slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start].
 // bf16/fp16 operands: `scales` empty, rows of x's dtype (out_dtype none or that). e4m3 operands
-// (ops/fp8_operands.py, per tensor): `scales` = [x's, the weight's scale_inv], one float32 each,
-// and out_dtype the rows' (and bias's) bf16 or fp16.
+// (ops/fp8_operands.py): `scales` = [x's, the weight's scale_inv], per tensor one float32 each,
+// in blocks x's [ceil(K / 128), cols] (cols a multiple of 4, at least x's rows) and the
+// weight's [ceil(N / 128), at least ceil(K / 128)], contiguous float32; out_dtype the rows'
+// (and bias's) bf16 or fp16.
 void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas,
               at::TensorList scales, std::optional<at::ScalarType> out_dtype) {
@@ -644,9 +646,25 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
            "tokenweave: fit_gemm: e4m3 operands take [x scale_inv, weight scale_inv], 16-bit "
            "ones none; got ", scales.size());
   for (const at::Tensor& s : scales)
-    TW_CHECK(s.device() == x.device() && s.scalar_type() == at::kFloat && s.numel() == 1,
-             "tokenweave: fit_gemm: a scale_inv must be one float32 on x's device");
+    TW_CHECK(s.device() == x.device() && s.scalar_type() == at::kFloat && s.is_contiguous(),
+             "tokenweave: fit_gemm: a scale_inv must be contiguous float32 on x's device");
   const int64_t k = x.size(1), n_out = weight.size(0);
+  const bool blocks = fp8 && scales[0].dim() == 2;
+  if (fp8 && !blocks) {
+    TW_CHECK(scales[0].numel() == 1 && scales[1].numel() == 1,
+             "tokenweave: fit_gemm: scales per tensor are one float32 each");
+  }
+  if (blocks) {
+    const int64_t kb = (k + fit::kBlockK - 1) / fit::kBlockK;
+    const at::Tensor &xs = scales[0], &ws = scales[1];
+    TW_CHECK(xs.size(0) == kb && xs.size(1) % 4 == 0 && xs.size(1) >= x.size(0) &&
+                 ws.dim() == 2 && ws.size(0) == (n_out + fit::kBlockK - 1) / fit::kBlockK &&
+                 ws.size(1) >= kb,
+             "tokenweave: fit_gemm: block scales must be x's [", kb, ", a multiple of 4 >= ",
+             x.size(0), "] and the weight's [", (n_out + fit::kBlockK - 1) / fit::kBlockK,
+             ", >= ", kb, "], got [", xs.size(0), ", ", xs.size(1), "] and [", ws.size(0), ", ",
+             ws.dim() == 2 ? ws.size(1) : int64_t{-1}, "]");
+  }
   TW_CHECK(weight.size(1) == k, "tokenweave: fit_gemm: x has ", k, " in-features, weight ",
            weight.size(1));
   const int64_t k_align = kVecBytes / x.element_size();
@@ -700,9 +718,10 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
            " groups ", step, " apart exceed x's ", x.size(0), " rows");
   TW_CHECK(row0 >= 0 && row0 + seg_rows <= slot_rows, "tokenweave: fit_gemm: inbox rows [",
            row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
-  TW_CHECK(bn >= fit::kMinBN && bn <= fit::kMaxBN && bn % 8 == 0,
+  const int max_bn = blocks ? fit::kMaxBlocksBN : fit::kMaxBN;
+  TW_CHECK(bn >= fit::kMinBN && bn <= max_bn && bn % 8 == 0,
            "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
-           fit::kMaxBN, ", got ", bn);
+           max_bn, blocks ? " (block scales)" : "", ", got ", bn);
   TW_CHECK(coop == 0 || coop == 1, "tokenweave: fit_gemm: cooperative must be 0 or 1");
   TW_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
   TW_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *
@@ -715,6 +734,10 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   p.slots_off = slots_off;
   p.bias = bias ? bias->data_ptr() : nullptr;
   for (size_t q = 0; q < scales.size(); ++q) p.scale_inv[q] = scales[q].data_ptr<float>();
+  if (blocks) {
+    p.ws_stride = static_cast<int>(scales[1].size(1));
+    p.w_blocks = static_cast<int>(scales[1].size(0));
+  }
   p.n_out = static_cast<int>(n_out);
   p.k = static_cast<int>(k);
   p.rank = static_cast<int>(rank);
@@ -733,20 +756,30 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   p.start = static_cast<int>(start % (p.groups * p.group_tiles));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const int b = static_cast<int>(bn), g = static_cast<int>(ctas);
-  // The instantiation of the rows' type T and the operands' In, in the call's mode.
-  const auto run = [&](auto t, auto o) {
+  const float* x_scales = blocks ? scales[0].data_ptr<float>() : nullptr;
+  const int64_t scale_cols = blocks ? scales[0].size(1) : 0;
+  // The instantiation of the rows' type T, the operands' In and their scaling, in the call's
+  // mode.
+  const auto run = [&](auto t, auto o, auto blocks_c) {
     using T = decltype(t);
     using In = decltype(o);
-    return coop ? fit::launch<T, In, true>(x.data_ptr(), x.size(0), x.stride(0),
-                                           weight.data_ptr(), weight.stride(0), p, b, g, stream)
-                : fit::launch<T, In, false>(x.data_ptr(), x.size(0), x.stride(0),
-                                            weight.data_ptr(), weight.stride(0), p, b, g,
-                                            stream);
+    constexpr bool kBlocks = decltype(blocks_c)::value;
+    const auto go = [&](auto coop_c) {
+      return fit::launch<T, In, decltype(coop_c)::value, kBlocks>(
+          x.data_ptr(), x.size(0), x.stride(0), weight.data_ptr(), weight.stride(0), x_scales,
+          scale_cols, p, b, g, stream);
+    };
+    return coop ? go(std::true_type{}) : go(std::false_type{});
   };
   const bool bf16 = dt == at::kBFloat16;
+  const auto e4m3 = [&](auto t) {
+    return blocks ? run(t, __nv_fp8_e4m3{}, std::true_type{})
+                  : run(t, __nv_fp8_e4m3{}, std::false_type{});
+  };
   const fit::LaunchStatus status =
-      fp8 ? (bf16 ? run(__nv_bfloat16{}, __nv_fp8_e4m3{}) : run(__half{}, __nv_fp8_e4m3{}))
-          : (bf16 ? run(__nv_bfloat16{}, __nv_bfloat16{}) : run(__half{}, __half{}));
+      fp8 ? (bf16 ? e4m3(__nv_bfloat16{}) : e4m3(__half{}))
+          : (bf16 ? run(__nv_bfloat16{}, __nv_bfloat16{}, std::false_type{})
+                  : run(__half{}, __half{}, std::false_type{}));
   TW_CHECK(status != fit::LaunchStatus::kNoDriverEntry,
            "tokenweave: fit_gemm: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver)");
   TW_CHECK(status != fit::LaunchStatus::kTensorMap,

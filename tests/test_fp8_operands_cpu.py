@@ -21,6 +21,7 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.gemm_rows import whole_boxes
 from megatron_tokenweave.ops.segments import (
+    FIT_BLOCKS_MAX_ROWS,
     FIT_FP8_MIN_K,
     FIT_MIN_CALL,
     FP8_BLOCK_K,
@@ -30,6 +31,7 @@ from megatron_tokenweave.ops.segments import (
     SMALL,
     WIDE,
     estimated_time,
+    fit_pick,
     fitted_tiles,
     one_consumer_tiles,
     segments,
@@ -111,8 +113,9 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
     FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode, but the one-consumer
     tiles over more than FP8_PARTIAL_BOX_MIN_K whose rows are not whole 128-byte boxes apart
     (K = 7392; with or without the fitted kernel, not where its wave rule takes the call);
-    block scales: the fastest one-consumer tiles by estimated time, never fitted;
-    all with K blocks of FP8_BLOCK_K."""
+    block scales: the fitted kernel's cooperative tiles of at most FIT_BLOCKS_MAX_ROWS tokens
+    where it runs, else the fastest one-consumer tiles by estimated time; all with K blocks of
+    FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
     for rows, (hidden, k, ctas), fitted in itertools.product(
             (1, 7, 129, 513, 777, 1031, 4096, 8192), ((4096, 1792, 132), (8192, 3584, 132),
@@ -133,6 +136,11 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
                 assert t == replace(want, block_k=FP8_BLOCK_K)
                 picked[scaling].add("partial box" if partial_box else "long K" if long_k else
                                     "fitted" if t.fitted else t.consumers)
+            elif fitted:
+                assert t.fitted and t.cooperative and t.block_cols == 256
+                assert t.block_rows == fit_pick(layout, world, rows, hidden, ctas, True,
+                                                FIT_BLOCKS_MAX_ROWS)[1] <= FIT_BLOCKS_MAX_ROWS
+                picked[scaling].add("fitted coop")
             else:
                 best = min(estimated_time(c, layout, world, rows, hidden, ctas)
                            for c in (LARGE, WIDE, SMALL))
@@ -142,7 +150,7 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
             seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas, fitted=fitted,
                            fp8=scaling)
             assert seg.tiles == t
-    assert len(picked["blocks"]) >= 2, picked
+    assert len(picked["blocks"]) >= 3 and "fitted coop" in picked["blocks"], picked
     assert picked["tensor"] == {1, 2, "fitted", "long K", "partial box"}, picked
 
 

@@ -573,22 +573,25 @@ def test_gemm_fused_blocks_without_a_reference(tmp_path):
 
 
 @pytest.mark.parametrize("tokens,hidden", [(513, 4096), (777, 8192), (5003, 3584)])
-def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden):
+@pytest.mark.parametrize("block_k,most", [(64, 176), (128, 104)])
+def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden, block_k, most):
     """bench gemm_fused --breakdown's fitted variants: both modes, each at every forced extent
-    and at the extent its model picks for the call, each a tile the kernel takes, named apart."""
+    up to the largest the call's operands take (FP8 in blocks: FIT_BLOCKS_MAX_ROWS) and at the
+    extent its model picks for the call, each a tile the kernel takes, named apart."""
     from megatron_tokenweave.bench import gemm_fused
-    from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, fit_pick
+    from megatron_tokenweave.ops.segments import FIT_MIN_ROWS, fit_pick
 
-    variants = gemm_fused._fitted_variants(tokens, hidden, 132, 64)
+    variants = gemm_fused._fitted_variants(tokens, hidden, 132, block_k, most)
     names = [gemm_fused._tiles_name(t) for t in variants]
     assert len(set(names)) == len(names)
     for cooperative in (False, True):
         mine = {t.block_rows for t in variants if t.cooperative == cooperative}
-        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative)[1]
-        assert mine == {*gemm_fused.FIT_BREAKDOWN_ROWS, picked}
+        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative, most)[1]
+        assert mine == {*(r for r in gemm_fused.FIT_BREAKDOWN_ROWS if r <= most), picked}
     for t in variants:
-        assert t.fitted and t.block_k == 64 and t.block_cols == (256 if t.cooperative else 128)
-        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= FIT_MAX_ROWS
+        assert t.fitted and t.block_k == block_k
+        assert t.block_cols == (256 if t.cooperative else 128)
+        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= most
 
 
 def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
@@ -616,8 +619,8 @@ def test_fitted_launcher_refuses_bad_input():
     TokenWeaveInputError before the op (operands bf16/fp16 of the rows' dtype, or e4m3 with
     rows of bf16/fp16; 2-D, rows contiguous and a multiple of 16 bytes apart (padded rows
     taken); 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
-    bias [N] of the rows' dtype; 16-byte starts; token extents in its range; rows inside x and
-    the slot)."""
+    bias [N] of the rows' dtype; 16-byte starts; token extents in its range, a smaller one for
+    e4m3 in blocks; rows inside x and the slot)."""
     from dataclasses import replace
 
     from megatron_tokenweave.kernels.owner_gemm import check_fitted_gemm
@@ -627,8 +630,9 @@ def test_fitted_launcher_refuses_bad_input():
     x = torch.randn(300, 256, dtype=torch.bfloat16)
     w = torch.randn(512, 256, dtype=torch.bfloat16)
     e4m3 = torch.float8_e4m3fn
-    fp8 = dict(x=x.to(e4m3), w=w.to(e4m3), fp8=True, out=torch.bfloat16)
-    base = dict(x=x, w=w, bias=None, seg=seg, fp8=False, out=None)
+    fp8 = dict(x=x.to(e4m3), w=w.to(e4m3), fp8="tensor", out=torch.bfloat16)
+    base = dict(x=x, w=w, bias=None, seg=seg, fp8=None, out=None)
+    blocks = fp8 | dict(fp8="blocks", seg=replace(seg, tiles=replace(tiles, block_rows=104)))
 
     def check(args: dict) -> None:
         check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
@@ -637,6 +641,7 @@ def test_fitted_launcher_refuses_bad_input():
     check(base)  # calls it takes: 16-bit, padded rows, and e4m3 with bf16 rows and bias
     check(base | dict(x=torch.randn(300, 264, dtype=torch.bfloat16)[:, :256]))
     check(base | fp8 | dict(bias=torch.randn(512, dtype=torch.bfloat16)))
+    check(base | blocks)
     bad = [
         (dict(x=x.float()), "bf16 or fp16"),
         (dict(bias=torch.randn(512, dtype=torch.float16)), "of one dtype"),
@@ -657,6 +662,8 @@ def test_fitted_launcher_refuses_bad_input():
         (fp8 | dict(bias=torch.randn(512, dtype=torch.float16)), "e4m3 operands"),
         (fp8 | dict(x=fp8["x"][:, :200].contiguous(), w=fp8["w"][:, :200].contiguous()),
          "K a multiple of 16"),
+        (blocks | dict(seg=replace(seg, tiles=replace(tiles, block_rows=112))),
+         r"16\.\.104 \(block scales\)"),
     ]
     for change, match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):

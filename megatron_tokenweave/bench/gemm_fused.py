@@ -14,7 +14,8 @@ x's copy timed with the GEMM, as the layer does: ops/gemm_rows.py; `tokenweave_p
 beside it, x padded ahead, outside the timed calls) and, where the fitted kernel runs, the
 kernel the policy did not pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per
 tensor, where the Triton pick is the ping-pong kernel, the one-consumer kernel's best tiles
-too (`tokenweave_one_consumer`).
+too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in the mode it did not pick
+as well (`tokenweave_fit<tokens>[c]`).
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
@@ -33,7 +34,7 @@ to cuBLAS, median over the shards. Replicated layout (what Megatron's engines ru
 us); replays interleaved (bench/timing.py), medians per call. `--dtypes fp8 fp8_blocks`: e4m3
 operands with bf16 rows, scaled per tensor (delayed and current scaling) or in TE's blockwise
 recipe's blocks (1 x 128 of x, 128 x 128 of the weight): the communicating GEMM (the kernels' FP8
-forms, ops/fp8_operands.py; the fitted kernel's per tensor only) against cuBLAS's FP8 GEMM
+forms, ops/fp8_operands.py) against cuBLAS's FP8 GEMM
 through torch._scaled_mm (`cublas` rows: fast accumulation per tensor, as TE's forward GEMMs;
 cuBLAS's block-scaled form for blocks), the cuBLASLt GEMMs TE's FP8 Linear calls (no `te` rows in
 FP8: te.Linear would add the quantization of x). `--passes N` times the same graphs N times (rows
@@ -60,6 +61,8 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, scale_stride
 from megatron_tokenweave.ops.gemm_rows import PaddedRows, needs_padding
 from megatron_tokenweave.ops.segments import (
+    FIT_BLOCKS_MAX_ROWS,
+    FIT_MAX_ROWS,
     FP8_BLOCK_K,
     ONE_CONSUMER,
     RELEASES,
@@ -154,7 +157,8 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     torch_dtype = torch.bfloat16 if fp8 else DTYPES[dtype]
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    fitted = fitted_gemm_available(dev) and fp8 != "blocks"
+    fitted = fitted_gemm_available(dev)
+    max_rows = FIT_BLOCKS_MAX_ROWS if fp8 == "blocks" else FIT_MAX_ROWS
     long_k = fits_long_k(torch.cuda.get_device_name(dev))
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
@@ -168,7 +172,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                        fp8=fp8, long_k=long_k)
         # The kernels the policy did not pick, timed beside the pick: the fitted one or the
         # Triton pick; in FP8 per tensor, where the Triton pick is the ping-pong kernel, the
-        # one-consumer kernel's best tiles too.
+        # one-consumer kernel's best tiles too; in blocks the fitted kernel's ping-pong mode.
         triton = segments(Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, fp8=fp8)
         other = {}
         if fitted:
@@ -177,6 +181,12 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                          Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
                              fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
                              block_k=triton.tiles.block_k))})
+            if fp8 == "blocks":  # the pick is cooperative: the ping-pong mode at its own extent
+                tiles = replace(seg.tiles, cooperative=False, block_cols=128,
+                                block_rows=fit_pick(Layout.REPLICATED, tp, tokens, n, sms, False,
+                                                    max_rows)[1])
+                other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
+                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
@@ -194,7 +204,8 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
             if fitted:
                 forced.update({f"tokenweave_{_tiles_name(tiles)}": segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
-                    for tiles in _fitted_variants(tokens, n, sms, triton.tiles.block_k)})
+                    for tiles in _fitted_variants(tokens, n, sms, triton.tiles.block_k,
+                                                  max_rows)})
         covered = _covered(seg, tp)
         alloc = max(covered, cublas_rows(tokens) if fp8 == "blocks" else tokens)
         out = torch.empty(alloc, n, device=dev, dtype=torch_dtype)
@@ -243,12 +254,12 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     return rows
 
 
-def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int) -> list:
-    """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens and at the extent
-    its model picks per mode (ops/segments.fit_pick): whether a shortfall is the pick's
-    extent or mode, or the kernel at any extent."""
-    rows = {cooperative: sorted({*FIT_BREAKDOWN_ROWS, fit_pick(
-        Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative)[1]})
+def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int, max_rows: int) -> list:
+    """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens (up to max_rows)
+    and at the extent its model picks per mode (ops/segments.fit_pick): whether a shortfall is
+    the pick's extent or mode, or the kernel at any extent."""
+    rows = {cooperative: sorted({*(r for r in FIT_BREAKDOWN_ROWS if r <= max_rows), fit_pick(
+        Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative, max_rows)[1]})
         for cooperative in (False, True)}
     return [replace(fitted_tiles(Layout.REPLICATED, 1, tokens, hidden, ctas), block_rows=r,
                     block_cols=256 if c else 128, cooperative=c, block_k=block_k)

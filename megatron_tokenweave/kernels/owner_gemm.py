@@ -39,7 +39,13 @@ from megatron_tokenweave.kernels.owner_protocol import (
 )
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
-from megatron_tokenweave.ops.segments import FIT_MAX_ROWS, FIT_MIN_ROWS, FP8_BLOCK_K, Segments
+from megatron_tokenweave.ops.segments import (
+    FIT_BLOCKS_MAX_ROWS,
+    FIT_MAX_ROWS,
+    FIT_MIN_ROWS,
+    FP8_BLOCK_K,
+    Segments,
+)
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
     MAX_RANKS,
@@ -143,7 +149,7 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     up on a source's tiles of another call. The segments' tiles pick the kernel:
     this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster, or
     the fitted CUDA kernel (its consumer publishes the rows and the tag; 16-bit operands or
-    e4m3 ones scaled per tensor).
+    e4m3 ones scaled per tensor or in blocks).
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
     the consumer after this kernel ("consumer": no fence, no flags here). validate: check a
     fitted call or FP8 operands first (`check_fitted_gemm`, `Fp8Operands.check`; off where
@@ -151,16 +157,18 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     fp8: x and weight are e4m3 with these scales (ops/fp8_operands.py; FP8 tiles,
     ops/segments.tiles_for(fp8=fp8.scaling)); the tiles land in the inbox's dtype."""
     if fp8 is not None:
-        if seg.tiles.block_k != FP8_BLOCK_K or (fp8.blocks and seg.tiles.consumers != 1):
+        if seg.tiles.block_k != FP8_BLOCK_K or (
+                fp8.blocks and seg.tiles.consumers != 1 and not seg.tiles.fitted):
             raise TokenWeaveInputError(
                 f"FP8 operands take tiles with {FP8_BLOCK_K}-deep K blocks, block scales the "
-                f"one-consumer kernel's (segments(..., fp8={fp8.scaling!r})), got {seg.tiles}")
+                f"one-consumer or fitted kernel's (segments(..., fp8={fp8.scaling!r})), got "
+                f"{seg.tiles}")
         if validate:
             fp8.check(x, weight)
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
         if validate:
             check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world,
-                              fp8 is not None, inbox.dtype)
+                              None if fp8 is None else fp8.scaling, inbox.dtype)
         torch.ops.tokenweave.fit_gemm(
             x, weight, bias, inbox.bases,
             seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas,
@@ -196,13 +204,14 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      seg: Segments, slot_rows: int, world: int, fp8: bool = False,
+                      seg: Segments, slot_rows: int, world: int, fp8: str | None = None,
                       out_dtype: torch.dtype | None = None) -> None:
     """Raise TokenWeaveInputError for a call the fitted kernel cannot take (ops.cu checks the
     same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
-    x's by default), or e4m3 ones (fp8: their scales are Fp8Operands.check's), 16-byte rows,
-    row pitches and starts, its token extents, the rows the segments read and the inbox rows
-    they fill."""
+    x's by default), or e4m3 ones scaled as fp8 names (ops/segments.FP8_SCALINGS; their
+    scales are Fp8Operands.check's), 16-byte rows, row pitches and starts, its token extents
+    (up to FIT_BLOCKS_MAX_ROWS in blocks), the rows the segments read and the inbox rows they
+    fill."""
     out_dtype = out_dtype or x.dtype
     operand = FP8_DTYPE if fp8 else out_dtype
     if out_dtype not in KERNEL_DTYPES or x.dtype != operand or weight.dtype != operand or (
@@ -225,10 +234,11 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if x.data_ptr() % VECTOR_BYTES or weight.data_ptr() % VECTOR_BYTES:
         raise TokenWeaveInputError("the fitted GEMM's x and weight must start 16-byte aligned")
     bn = seg.tiles.block_rows
-    if bn % 8 or not FIT_MIN_ROWS <= bn <= FIT_MAX_ROWS:
+    most = FIT_BLOCKS_MAX_ROWS if fp8 == "blocks" else FIT_MAX_ROWS
+    if bn % 8 or not FIT_MIN_ROWS <= bn <= most:
         raise TokenWeaveInputError(
-            f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}.."
-            f"{FIT_MAX_ROWS}, got {bn}")
+            f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}..{most}"
+            f"{' (block scales)' if fp8 == 'blocks' else ''}, got {bn}")
     last = seg.input_rows(world)
     if last > x.shape[0] or seg.row0 + seg.rows > slot_rows:
         raise TokenWeaveInputError(

@@ -76,8 +76,11 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # 0.62-0.94x, the one-consumer kernel 0.93-1.03x, faster at 71 of 72 points of two sweeps,
 # one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong pick's 0.87-0.93x; at
 # K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the faster); in blocks
-# ("blocks") the one-consumer tiles only (each K block's product is scaled before it is
-# added).
+# ("blocks") the fitted kernel's cooperative mode where it runs, with token extents up to
+# FIT_BLOCKS_MAX_ROWS (`blocks_tiles`; 1.59x the one-consumer Triton kernel at the median of
+# 414 points, faster at all, the ping-pong mode faster at 19, by 1-5 %, one H100, 2026-12-06,
+# docs/results/gemm_fused_1gpu_fp8_blocks.json), else the one-consumer tiles (the Triton
+# kernels that scale each K block's product before adding it).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
@@ -113,6 +116,7 @@ CONSUMER_RELEASE_MAX_WORK = 2.0
 #   FIT_BELOW: counts just past a wave of Triton's tiles, where a whole extra row block and wave
 #   cost it 0.5-0.8x of cuBLAS; elsewhere the Triton kernels measured faster.
 FIT_MIN_ROWS, FIT_MAX_ROWS = 16, 176
+FIT_BLOCKS_MAX_ROWS = 104  # e4m3 in blocks: two accumulators a thread (fit_gemm.cuh kMaxBlocksBN)
 FIT_TILE_COST = 16
 FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
@@ -157,15 +161,16 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
 
 
 def fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
-              cooperative: bool) -> tuple[int, int]:
-    """(waves, token extent) of the fitted kernel's best tiles in one mode (FIT_TILE_COST)."""
+              cooperative: bool, max_rows: int = FIT_MAX_ROWS) -> tuple[int, int]:
+    """(waves, token extent) of the fitted kernel's best tiles in one mode (FIT_TILE_COST), of
+    token extents up to max_rows."""
     groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
     m_tiles = -(-hidden // (256 if cooperative else 128))
 
     def waves(extent: int) -> int:
         return -(-m_tiles * groups * -(-max(1, rows) // extent) // max(1, ctas))
 
-    extent = min(range(FIT_MIN_ROWS, FIT_MAX_ROWS + 1, 8),
+    extent = min(range(FIT_MIN_ROWS, max_rows + 1, 8),
                  key=lambda e: (waves(e) * (e + FIT_TILE_COST), -e))
     return waves(extent), extent
 
@@ -176,6 +181,11 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) 
     cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
     if not cooperative:
         extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1]
+    return _fitted(extent, cooperative)
+
+
+def _fitted(extent: int, cooperative: bool) -> GemmTiles:
+    """The fitted kernel's tiles of a token extent in one mode."""
     return GemmTiles(block_rows=extent, block_cols=256 if cooperative else 128, block_k=64,
                      stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
 
@@ -209,16 +219,14 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     fitted kernel also over more than FIT_FP8_MIN_K in-features where its tiles take its
     ping-pong mode; the one-consumer tiles instead over more than FP8_PARTIAL_BOX_MIN_K whose
     rows are not whole 128-byte boxes apart (but where the fitted kernel's wave rule takes the
-    call); in blocks the fastest one-consumer tiles by
-    `estimated_time` (the only kernel that scales each K block); with FP8_BLOCK_K-deep K
-    blocks. long_k: the device is one of FIT_LONG_K_DEVICES (`fits_long_k`): 16-bit calls
-    over more than FIT_LONG_K in-features with at least FIT_LONG_MIN_TILES ping-pong tiles a
-    CTA take the fitted kernel where its tiles take its ping-pong mode."""
+    call); in blocks `blocks_tiles`; with FP8_BLOCK_K-deep K blocks. long_k: the device is
+    one of FIT_LONG_K_DEVICES (`fits_long_k`): 16-bit calls over more than FIT_LONG_K
+    in-features with at least FIT_LONG_MIN_TILES ping-pong tiles a CTA take the fitted kernel
+    where its tiles take its ping-pong mode."""
     if fp8 is not None and fp8 not in FP8_SCALINGS:
         raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
     if fp8 == "blocks":
-        return replace(one_consumer_tiles(layout, world, rows, hidden, ctas),
-                       block_k=FP8_BLOCK_K)
+        return blocks_tiles(layout, world, rows, hidden, ctas, fitted)
     picked = _triton_tiles(layout, world, rows, hidden, k, ctas)
     # The fitted tiles are worked out only where they may be taken (a per-call host cost).
     may_fit = fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
@@ -230,6 +238,21 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         picked = picked if fit.cooperative else fit
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
+
+
+def blocks_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
+                 fitted: bool) -> GemmTiles:
+    """The tiles of a call with e4m3 operands in blocks (`tiles_for`): the fitted kernel's in
+    its cooperative mode, of token extents up to FIT_BLOCKS_MAX_ROWS, where it runs (fitted),
+    else the fastest one-consumer tiles by `estimated_time`. Cooperative: its consumers' main
+    loops run at once, so one's scaling of a K block's products runs beside the other's MMAs
+    (ping-pong main loops alternate, the tensor cores idle while a consumer scales)."""
+    if fitted:
+        tiles = _fitted(fit_pick(layout, world, rows, hidden, ctas, True,
+                                 FIT_BLOCKS_MAX_ROWS)[1], True)
+    else:
+        tiles = one_consumer_tiles(layout, world, rows, hidden, ctas)
+    return replace(tiles, block_k=FP8_BLOCK_K)
 
 
 def one_consumer_tiles(layout: Layout, world: int, rows: int, hidden: int,

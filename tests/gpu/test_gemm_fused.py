@@ -369,6 +369,7 @@ def _skip_without_fitted():
 
 # (token extent, cooperative) of the fitted tiles the fitted kernel's tests force in turn.
 FITTED_SHAPES = ((16, False), (72, True), (136, False), (176, True))
+FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False))  # up to 104 in blocks
 
 
 def _fitted_tiles(block_rows: int, cooperative: bool, block_k: int = 64):
@@ -566,7 +567,7 @@ FP8_ACC = 2.0 ** -9
 
 def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
               tiles=None, pads=(0, 0)) -> tuple[str | None, float]:
-    """One FP8 call of the Triton kernels (tiles_for(fp8=...), or `tiles`) into a loopback
+    """One FP8 call of the communicating GEMM (tiles_for(fp8=...), or `tiles`) into a loopback
     inbox, as rank `rank`: None if every owner's slot holds its rows of the dequantized fp32
     product (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
     magnitudes, else what is wrong; and the largest error relative to those magnitudes.
@@ -612,15 +613,17 @@ def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
 
 
 def test_fp8_gemm_matches_dequantized_reference():
-    """The Triton kernels' FP8 forms (per-tensor and blockwise scales, ops/fp8_operands.py) land
-    every owner's rows of the dequantized product, rounded once to bf16 or fp16 (the inbox's
-    dtype), every other row still poisoned: replicated at TP 2 and 8, sequence parallel at
-    TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model families (K 1792-3584,
-    out-features 4096-8192), one with out-features not a multiple of 128 and one with K past
-    whole 128-deep blocks (208: a last block of 80 with its own scales), bias or none,
-    every FP8 tile shape among the calls (asserted); per tensor, every kernel on every call
-    (the pick, the one-consumer or ping-pong kernel it did not pick, and where it runs the
-    fitted kernel, its token extents and both modes taken in turn)."""
+    """The communicating GEMM's FP8 forms (per-tensor and blockwise scales,
+    ops/fp8_operands.py) land every owner's rows of the dequantized product, rounded once to
+    bf16 or fp16 (the inbox's dtype), every other row still poisoned: replicated at TP 2 and 8,
+    sequence parallel at TP 4, rows 1-1031 (odd, prime, one past a tile), shards of the model
+    families (K 1792-3584, out-features 4096-8192), one with out-features not a multiple of 128
+    (a short last weight block in blocks) and one with K past whole 128-deep blocks
+    (208: a last block of 80 with its own scales), bias or none, every FP8 tile shape among
+    the calls (asserted); every kernel on every call: the pick, the Triton kernel it did not
+    pick (per tensor the one-consumer or ping-pong one; in blocks the one-consumer one where
+    the pick is fitted), and where it runs the fitted kernel, its token extents (in blocks up
+    to 104) and both modes taken in turn."""
     _skip_without_kernels()
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89 or newer")
@@ -637,10 +640,11 @@ def test_fp8_gemm_matches_dequantized_reference():
 
     dev = torch.device("cuda", 0)
     failures, cases, seed, seen, seen_fitted = [], 0, 100, set(), []
-    worst = {"tensor": 0.0, "pingpong": 0.0, "fitted": 0.0, "blocks": 0.0}
+    worst: dict[str, float] = {}
     pingpong = replace(PINGPONG, block_k=FP8_BLOCK_K)
-    fitted = [_fitted_tiles(bn, coop, FP8_BLOCK_K) for bn, coop in FITTED_SHAPES
-              ] if fitted_gemm_available(dev) else []
+    fits = fitted_gemm_available(dev)
+    fitted = {blocks: [_fitted_tiles(bn, coop, FP8_BLOCK_K) for bn, coop in shapes] if fits
+              else [] for blocks, shapes in ((False, FITTED_SHAPES), (True, FITTED_BLOCK_SHAPES))}
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256), (1000, 208)):
             for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
@@ -649,23 +653,25 @@ def test_fp8_gemm_matches_dequantized_reference():
                     one = replace(one_consumer_tiles(layout, world, rows, n, 132),
                                   block_k=FP8_BLOCK_K)
                     picked = segments(layout, world, rows, hidden=n, k=k, ctas=132,
-                                      fp8="blocks" if blocks else "tensor").tiles
-                    # per tensor every kernel on every case: the pick and the others
-                    for tiles in (picked,) if blocks else (
-                            picked, one if picked.consumers == 2 else pingpong,
-                            *([fitted[len(seen_fitted) % len(fitted)]] if fitted else [])):
+                                      fitted=fits, fp8="blocks" if blocks else "tensor").tiles
+                    # every kernel on every case: the pick and the others
+                    triton = (one if picked.fitted else None) if blocks else (
+                        one if picked.consumers == 2 else pingpong)
+                    shapes = fitted[blocks]
+                    for tiles in (picked, *([triton] if triton else []),
+                                  *([shapes[len(seen_fitted) % len(shapes)]] if shapes else [])):
                         seed += 1
                         if tiles.fitted:
                             seen_fitted.append(tiles)
-                        seen.add("fitted" if tiles.fitted else next(
+                        kernel = "fitted" if tiles.fitted else next(
                             t for t, v in TILES.items()
                             if (v.block_rows, v.block_cols, v.consumers)
-                            == (tiles.block_rows, tiles.block_cols, tiles.consumers)))
+                            == (tiles.block_rows, tiles.block_cols, tiles.consumers))
+                        name = f"{kernel} {'blocks' if blocks else 'tensor'}"
+                        seen.add(name)
                         bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, blocks,
                                              seed % 2 == 0, seed, tiles)
-                        name = "fitted" if tiles.fitted else "pingpong" if tiles.consumers == 2 \
-                            else "blocks" if blocks else "tensor"
-                        worst[name] = max(worst[name], err)
+                        worst[name] = max(worst.get(name, 0.0), err)
                         cases += 1
                         if bad:
                             failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
@@ -674,14 +680,15 @@ def test_fp8_gemm_matches_dequantized_reference():
           "largest |error| / sum of |products|: "
           + ", ".join(f"{name} {err:.2e}" for name, err in worst.items()))
     assert not failures, "\n".join(failures[:12])
-    assert seen >= {"large", "wide", "small", "pingpong"} | ({"fitted"} if fitted else set()), \
-        seen
+    want = {f"{t} tensor" for t in ("large", "wide", "small", "pingpong")}
+    want |= {"fitted tensor", "fitted blocks"} if fits else {"large blocks", "small blocks"}
+    assert seen >= want, seen
 
 
 def test_fp8_gemm_refuses_bad_input():
-    """FP8 calls with 16-bit tiles, block scales on the ping-pong or fitted kernel, operands
-    not e4m3, scales of the wrong shape or dtype, or blockwise K not whole blocks:
-    TokenWeaveInputError, nothing launched."""
+    """FP8 calls with 16-bit tiles, block scales on the ping-pong kernel or on fitted tiles of
+    more than FIT_BLOCKS_MAX_ROWS tokens, operands not e4m3, scales of the wrong shape or
+    dtype, or blockwise K not whole blocks: TokenWeaveInputError, nothing launched."""
     _skip_without_kernels()
     from dataclasses import replace
 
@@ -697,7 +704,8 @@ def test_fp8_gemm_refuses_bad_input():
     seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8="tensor")
     pingpong, fitted = (segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
                                  tiles=replace(t, block_k=FP8_BLOCK_K))
-                        for t in (PINGPONG, fitted_tiles(Layout.REPLICATED, 2, 300, 512, 132)))
+                        for t in (PINGPONG, replace(fitted_tiles(Layout.REPLICATED, 2, 300, 512,
+                                                                 132), block_rows=112)))
     x = torch.randn(300, 256, device=dev).to(FP8_DTYPE)
     w = torch.randn(512, 256, device=dev).to(FP8_DTYPE)
     one = torch.ones(1, device=dev)
@@ -708,7 +716,7 @@ def test_fp8_gemm_refuses_bad_input():
            (x, w, pingpong, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
             "one-consumer"),
            (x, w, fitted, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
-            "one-consumer"),
+            r"16\.\.104 \(block scales\)"),
            (x, w, seg, Fp8Operands(one.double(), one), "float32"),
            (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),
            (x, w, seg, replace(blocks, x_scale_inv=torch.ones(2, 301, device=dev)), "x scale"),

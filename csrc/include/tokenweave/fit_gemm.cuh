@@ -12,11 +12,19 @@
 // so a tile holds as many tokens as the call needs and a count's tail costs at most 7 padded
 // rows per tile. A row's owner is computed per row, so segments need not align with tiles.
 //
-// Operands (In): bf16 or fp16 (the output's dtype T), or e4m3 scaled per tensor (FP8 recipes'
-// delayed and current scaling: ops/fp8_operands.py), whose fp32 accumulator is multiplied by
-// the two scale_inv values once per tile, before the bias and the one rounding to T. A stage
+// Operands (In): bf16 or fp16 (the output's dtype T), or e4m3 (ops/fp8_operands.py) scaled
+// per tensor (FP8 recipes' delayed and current scaling), whose fp32 accumulator is multiplied by
+// the two scale_inv values once per tile, before the bias and the one rounding to T, or in
+// blocks (kBlocks: TE's blockwise recipe, 1 x 128 blocks of x, 128 x 128 of the weight). A stage
 // holds 128 bytes of K per row either way (64 16-bit elements or 128 e4m3 ones), and one wgmma
-// takes 32 bytes of it (k16 or k32), so the pipeline and its descriptors are the same.
+// takes 32 bytes of it (k16 or k32), so the pipeline and its descriptors are the same. In
+// blocks a stage is exactly one K block and a consumer's 128 weight rows one weight block, so
+// the block's scale is one weight scale times one x scale per token: each stage's MMAs go into
+// a second accumulator, which is then added into the tile's, scaled (one FFMA per element;
+// the tokens' scales come with the stage, by TMA). The stage's MMAs are waited for before that
+// add, so the tensor cores take the other consumer's MMAs meanwhile (both consumers run their
+// main loops at once in the cooperative mode); two accumulators per thread bound the token
+// extent to kMaxBlocksBN.
 //
 // Structure (one CTA per SM, persistent, 384 threads):
 // - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
@@ -54,11 +62,14 @@ namespace fit {
 
 constexpr int kBM = 128;            // weight rows (output columns) per consumer's tile part
 constexpr int kRowBytes = 128;      // bytes of K per row and stage (the 128-byte swizzle)
+constexpr int kBlockK = 128;        // e4m3 in blocks: K per scale block, one stage's
 constexpr int kThreads = 384;       // producer + two consumer warpgroups
 constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per consumer)
 constexpr int kGroupM = 8;          // weight tiles per group of the tile order
 constexpr int kMinBN = 16;
 constexpr int kMaxBN = 176;         // BN fp32 accumulators per consumer thread: no spills to 176
+constexpr int kMaxBlocksBN = 104;   // e4m3 in blocks: 2 x BN accumulators a thread: no spills
+constexpr int kScaleLead = 4;       // e4m3 in blocks: x scales per 16 bytes (a TMA box's start)
 constexpr int kSmemLimit = 232448;  // bytes of dynamic shared memory per block (sm_90)
 constexpr int kBarrierBytes = 256;  // the pipeline's barriers, after the stages
 constexpr int kProducerRegs = 40;
@@ -69,6 +80,7 @@ struct FitGemmParams {
   int64_t slots_off;           // bytes from a region's base to its slots
   const void* bias;            // [n_out] or null
   const float* scale_inv[2];   // e4m3 operands: x's and the weight's dequantization scales
+  int ws_stride, w_blocks;     // blocks: the weight scales' row stride and rows (N blocks)
   int n_out, k;                // output columns (hidden) and in-features
   int rank, slot_rows;         // this rank's slot in every owner's inbox; rows per slot
   int row0;                    // inbox row of a segment's row 0
@@ -83,20 +95,27 @@ struct FitGemmParams {
 };
 
 // kCoop: both consumers on one tile of 2 x kBM weight rows (each its own kBM); else each its own
-// tiles of kBM rows, alternating ("ping-pong").
-template <int BN, bool kCoop>
+// tiles of kBM rows, alternating ("ping-pong"). kBlocks: a stage also holds the tile's tokens'
+// scales of its K block (BN fp32).
+template <int BN, bool kCoop, bool kBlocks = false>
 struct Shape {
   static constexpr int kTileM = kCoop ? 2 * kBM : kBM;
   static constexpr int kAStage = kTileM * kRowBytes;
   static constexpr int kBStage = BN * kRowBytes;
+  // kBlocks: the box of x scales, from the 16-byte-aligned token below the tile's first (TMA
+  // faults on an innermost coordinate that is not), so kScaleLead more.
+  static constexpr int kScaleBox = BN + kScaleLead;
+  static constexpr int kSStage = kBlocks ? (kScaleBox * 4 + 127) / 128 * 128 : 0;
+  static constexpr int kStageBytes = kAStage + kBStage + kSStage;
   static constexpr int kEpiBuffer = kEpiTokens * kBM * 2;  // bytes: token rows of kBM columns
   static constexpr int kEpiBytes = 2 * 2 * kEpiBuffer;     // two consumers, two buffers
   static constexpr int kFree = kSmemLimit - kBarrierBytes - kEpiBytes;
-  static constexpr int kStages = kFree / (kAStage + kBStage) > 8 ? 8 : kFree / (kAStage + kBStage);
-  static constexpr int kSmem = kStages * (kAStage + kBStage) + kEpiBytes + kBarrierBytes;
-  static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= kMaxBN,
-                "BN: a multiple of 8 in kMinBN..kMaxBN");
+  static constexpr int kStages = kFree / kStageBytes > 8 ? 8 : kFree / kStageBytes;
+  static constexpr int kSmem = kStages * kStageBytes + kEpiBytes + kBarrierBytes;
+  static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= (kBlocks ? kMaxBlocksBN : kMaxBN),
+                "BN: a multiple of 8 in kMinBN..kMaxBN (kMaxBlocksBN in blocks)");
   static_assert(kStages >= 3, "too few pipeline stages fit");
+  static_assert(!kBlocks || kBM == kBlockK, "a consumer's weight rows: one scale block");
 };
 
 // An operand type's wgmma and K per stage (kRowBytes of it).
@@ -121,6 +140,12 @@ __device__ __forceinline__ void tile_coords(const FitGemmParams& p, int tile, in
   const int in_group = tile % per_group;
   mt = first_m + in_group % size;
   nt = (in_group / size + p.start) % n_tiles;
+}
+
+// The x row of a token tile's first token.
+__device__ __forceinline__ int tile_x_row(const FitGemmParams& p, int nt, int bn) {
+  const int g = nt / p.group_tiles;
+  return p.first + g * p.step + (nt - g * p.group_tiles) * bn;
 }
 
 // Byte offset of the 16-byte granule `granule` of token row `row` in a staging buffer: rows of
@@ -224,21 +249,99 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2]
   }
 }
 
-template <typename T, typename In, int BN, bool kCoop>
+// The main loop of one tile per consumer: its K steps' MMAs into acc. 16-bit or e4m3 per
+// tensor: one wgmma group in flight while the next is issued, each slot released once the MMAs
+// that read it are done; the last group is left in flight, its slot returned (the caller waits
+// for it: a ping-pong consumer first lets the other one start). kBlocks: each step's MMAs into
+// `part`, waited for, then added into acc scaled by the weight block's scale (`ws`: its K
+// blocks' scales; null past the weight's rows) times each token's (the stage's scales, the
+// tile's first `lead` places in); every slot released here (returns -1).
+template <typename In, int BN, bool kCoop, bool kBlocks>
+__device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[2][BN / 2],
+                                          const uint8_t* a_smem, const uint8_t* b_smem,
+                                          const uint8_t* s_smem, uint64_t* full, uint64_t* empty,
+                                          int seq0, int k_steps, uint32_t a_part,
+                                          const float* ws, int lead) {
+  using namespace hopper;
+  using S = Shape<BN, kCoop, kBlocks>;
+  using Op = Operand<In>;
+  const int lane = threadIdx.x & 31;
+  int prev = -1;
+  if constexpr (kBlocks) {
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int e = 0; e < BN / 2; ++e) acc[sub][e] = 0.f;
+  }
+  for (int kt = 0; kt < k_steps; ++kt) {
+    const int seq = seq0 + kt;
+    const int s = seq % S::kStages;
+    mbar_wait(&full[s], (seq / S::kStages) & 1);
+    const uint32_t a0 = smem_addr(a_smem + s * S::kAStage) + a_part;
+    const uint32_t b0 = smem_addr(b_smem + s * S::kBStage);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kRowBytes / 32; ++kk) {
+      const uint64_t bd = smem_desc_k128(b0 + kk * 32);
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        const uint64_t ad = smem_desc_k128(a0 + sub * 64 * kRowBytes + kk * 32);
+        if constexpr (kBlocks)
+          Wgmma<BN>::template mma<Op::kMma>(part[sub], ad, bd, kk != 0);
+        else
+          Wgmma<BN>::template mma<Op::kMma>(acc[sub], ad, bd, (kt | kk) != 0);
+      }
+    }
+    wgmma_commit();
+    if constexpr (kBlocks) {
+      const float sw = ws != nullptr ? __ldg(ws + kt) : 0.f;  // loaded while the MMAs run
+      wgmma_wait<0>();
+      fence_regs(part[0]);
+      fence_regs(part[1]);
+      // Accumulator element 4 j + 2 h + c holds token 8 j + 2 (lane % 4) + c.
+      const float* xs =
+          reinterpret_cast<const float*>(s_smem + s * S::kSStage) + lead + 2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const float s0 = xs[8 * j] * sw, s1 = xs[8 * j + 1] * sw;
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+          acc[sub][4 * j] = fmaf(part[sub][4 * j], s0, acc[sub][4 * j]);
+          acc[sub][4 * j + 1] = fmaf(part[sub][4 * j + 1], s1, acc[sub][4 * j + 1]);
+          acc[sub][4 * j + 2] = fmaf(part[sub][4 * j + 2], s0, acc[sub][4 * j + 2]);
+          acc[sub][4 * j + 3] = fmaf(part[sub][4 * j + 3], s1, acc[sub][4 * j + 3]);
+        }
+      }
+      __syncwarp();  // every lane read the slot's scales
+      if (lane == 0) mbar_arrive(&empty[s]);
+    } else {
+      wgmma_wait<1>();  // the previous step's MMAs are done: release its slot
+      fence_regs(acc[0]);
+      fence_regs(acc[1]);
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s;
+    }
+  }
+  return prev;
+}
+
+template <typename T, typename In, int BN, bool kCoop, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, 1)
     fit_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap x_map,
-                    const FitGemmParams p) {
+                    const __grid_constant__ CUtensorMap s_map, const FitGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
-  using S = Shape<BN, kCoop>;
+  using S = Shape<BN, kCoop, kBlocks>;
   using Op = Operand<In>;
+  static_assert(!kBlocks || Op::kFp8, "block scales are e4m3 operands'");
   // Dynamic shared memory starts 1024-byte aligned (no static shared memory here): the
   // 128-byte swizzle of the stages needs it.
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* a_smem = smem;
   uint8_t* b_smem = a_smem + S::kStages * S::kAStage;
-  uint8_t* epi = b_smem + S::kStages * S::kBStage;
+  uint8_t* s_smem = b_smem + S::kStages * S::kBStage;  // kBlocks: the tokens' scales
+  uint8_t* epi = s_smem + S::kStages * S::kSStage;
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + S::kEpiBytes);
   uint64_t* empty = full + S::kStages;
 
@@ -261,19 +364,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       prefetch_map(&w_map);
       prefetch_map(&x_map);
+      if constexpr (kBlocks) prefetch_map(&s_map);
       for (int i = 0; i < local_tiles; ++i) {
         int mt, nt;
         tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-        const int g = nt / p.group_tiles;
-        const int x_row = p.first + g * p.step + (nt - g * p.group_tiles) * BN;
+        const int x_row = tile_x_row(p, nt, BN);
         for (int kt = 0; kt < k_steps; ++kt) {
           const int seq = i * k_steps + kt;
           const int s = seq % S::kStages, fill = seq / S::kStages;
           if (fill > 0) mbar_wait(&empty[s], (fill - 1) & 1);
-          mbar_arrive_expect_tx(&full[s], S::kAStage + S::kBStage);
+          mbar_arrive_expect_tx(&full[s],
+                                S::kAStage + S::kBStage + (kBlocks ? S::kScaleBox * 4 : 0));
           tma_load_2d(a_smem + s * S::kAStage, &w_map, kt * Op::kStageK, mt * S::kTileM,
                       &full[s]);
           tma_load_2d(b_smem + s * S::kBStage, &x_map, kt * Op::kStageK, x_row, &full[s]);
+          if constexpr (kBlocks)
+            tma_load_2d(s_smem + s * S::kSStage, &s_map, x_row & -kScaleLead, kt, &full[s]);
         }
       }
     }
@@ -281,56 +387,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   regs_inc<kConsumerRegs>();
   const int consumer = wg - 1;
-  const int lane = threadIdx.x & 31;
   uint8_t* stage = epi + consumer * 2 * S::kEpiBuffer;
-  const int a_part = kCoop ? consumer * kBM * kRowBytes : 0;  // this consumer's weight rows
+  const int col_part = kCoop ? consumer * kBM : 0;  // this consumer's weight rows in the tile
   int pass = 0;
-  // e4m3: the product of the two dequantization scales, applied to each finished tile.
-  const float scale = Op::kFp8 ? p.scale_inv[0][0] * p.scale_inv[1][0] : 1.f;
+  // e4m3 per tensor: the product of the two dequantization scales, applied to each finished
+  // tile.
+  const float scale = Op::kFp8 && !kBlocks ? p.scale_inv[0][0] * p.scale_inv[1][0] : 1.f;
   float acc[2][BN / 2];
+  float part[2][BN / 2];  // kBlocks: one K block's products
   for (int i = kCoop ? 0 : consumer; i < local_tiles; i += kCoop ? 1 : 2) {
+    const float* ws = nullptr;  // kBlocks: the K blocks' scales of this consumer's weight rows
+    int lead = 0;               // kBlocks: the tile's first token in the stage's scales
+    if constexpr (kBlocks) {
+      int mt, nt;
+      tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+      const int block = (mt * S::kTileM + col_part) / kBM;
+      if (block < p.w_blocks) ws = p.scale_inv[1] + static_cast<int64_t>(block) * p.ws_stride;
+      lead = tile_x_row(p, nt, BN) & (kScaleLead - 1);
+    }
     // Ping-pong: the other consumer waited for all of tile i - 1's slots.
     if (!kCoop && i > 0) bar_sync(1 + consumer, 256);
-    int prev = -1;
-    for (int kt = 0; kt < k_steps; ++kt) {
-      const int seq = i * k_steps + kt;
-      const int s = seq % S::kStages;
-      mbar_wait(&full[s], (seq / S::kStages) & 1);
-      const uint32_t a0 = smem_addr(a_smem + s * S::kAStage + a_part);
-      const uint32_t b0 = smem_addr(b_smem + s * S::kBStage);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kRowBytes / 32; ++kk) {
-        const uint64_t bd = smem_desc_k128(b0 + kk * 32);
-#pragma unroll
-        for (int sub = 0; sub < 2; ++sub) {
-          Wgmma<BN>::template mma<Op::kMma>(acc[sub],
-                                            smem_desc_k128(a0 + sub * 64 * kRowBytes + kk * 32),
-                                            bd, (kt | kk) != 0);
-        }
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous step's MMAs are done: release its slot
+    const int prev = main_loop<In, BN, kCoop, kBlocks>(
+        acc, part, a_smem, b_smem, s_smem, full, empty, i * k_steps, k_steps,
+        col_part * kRowBytes, ws, lead);
+    if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
+    if constexpr (!kBlocks) {
+      wgmma_wait<0>();
       fence_regs(acc[0]);
       fence_regs(acc[1]);
-      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-      prev = s;
+      if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[prev]);
     }
-    if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
-    wgmma_wait<0>();
-    fence_regs(acc[0]);
-    fence_regs(acc[1]);
-    if (lane == 0) mbar_arrive(&empty[prev]);
-    if constexpr (Op::kFp8) {
+    int mt, nt;
+    tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+    const int col0 = mt * S::kTileM + col_part;
+    if constexpr (Op::kFp8 && !kBlocks) {
 #pragma unroll
       for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[sub][e] *= scale;
     }
-    int mt, nt;
-    tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-    epilogue<T, BN>(p, acc, mt * S::kTileM + (kCoop ? consumer * kBM : 0), nt, stage, consumer,
-                    pass);
+    epilogue<T, BN>(p, acc, col0, nt, stage, consumer, pass);
   }
 #else
   __trap();  // sm_90a only: the launcher refuses other devices

@@ -1,8 +1,8 @@
 // Host side of the fitted communicating GEMM (fit_gemm.cuh): the operands' tensor maps and the
 // launch of the instantiation for the call's token extent BN. No torch here: ops.cu checks the
 // call and turns a status into a Python error. The instantiations compile in
-// csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16}.cu (one operand and output dtype each,
-// both modes, every BN).
+// csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16,e4m3_blocks_bf16,e4m3_blocks_fp16}.cu
+// (one operand dtype, scaling and output dtype each, both modes, every BN).
 #pragma once
 
 #include <cuda.h>
@@ -62,7 +62,24 @@ bool make_map(CUtensorMap* map, const void* ptr, int64_t inner, int64_t rows, in
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The instantiations: BN = 8 * q for q in kMinBN / 8 .. kMaxBN / 8.
+// x's block scales [k_blocks, cols] fp32 (ops/fp8_operands.py; cols a multiple of 4, at least x's
+// rows), moved in boxes of one K block's `box` tokens (unswizzled; tokens past cols land as
+// zeros).
+inline bool make_scale_map(CUtensorMap* map, const float* ptr, int64_t cols, int64_t k_blocks,
+                           int box) {
+  const auto encode = encode_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(k_blocks)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(float)};
+  const cuuint32_t box_dims[2] = {static_cast<cuuint32_t>(box), 1};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides,
+                box_dims, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
+
+// The instantiations: BN = 8 * q for q in kMinBN / 8 .. kMax / 8.
 template <typename F, int... Q>
 bool with_bn_impl(int bn, F&& f, std::integer_sequence<int, Q...>) {
   return ((bn == 8 * (Q + kMinBN / 8) ? (f(std::integral_constant<int, 8 * (Q + kMinBN / 8)>{}),
@@ -70,29 +87,33 @@ bool with_bn_impl(int bn, F&& f, std::integer_sequence<int, Q...>) {
                                       : false) ||
           ...);
 }
-template <typename F>
+template <int kMax, typename F>
 bool with_bn(int bn, F&& f) {
   return with_bn_impl(bn, std::forward<F>(f),
-                      std::make_integer_sequence<int, (kMaxBN - kMinBN) / 8 + 1>{});
+                      std::make_integer_sequence<int, (kMax - kMinBN) / 8 + 1>{});
 }
 
 // Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major In, their rows x_pitch and w_pitch
-// elements apart, rows of T into the inboxes (p.scale_inv set for e4m3 operands), p's geometry
-// for tiles of bn tokens, on `ctas` persistent CTAs.
-template <typename T, typename In, bool kCoop>
+// elements apart, rows of T into the inboxes (p.scale_inv set for e4m3 operands; kBlocks: x's
+// block scales at x_scales, `scale_cols` apart, and p.ws_stride / p.w_blocks the weight's), p's
+// geometry for tiles of bn tokens, on `ctas` persistent CTAs.
+template <typename T, typename In, bool kCoop, bool kBlocks>
 LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* w,
-                    int64_t w_pitch, const FitGemmParams& p, int bn, int ctas,
-                    cudaStream_t stream) {
-  CUtensorMap w_map, x_map;
+                    int64_t w_pitch, const float* x_scales, int64_t scale_cols,
+                    const FitGemmParams& p, int bn, int ctas, cudaStream_t stream) {
+  CUtensorMap w_map, x_map, s_map{};
   if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
   if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, kCoop ? 2 * kBM : kBM) ||
-      !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, bn))
+      !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, bn) ||
+      (kBlocks && !make_scale_map(&s_map, x_scales, scale_cols,
+                                  (p.k + Operand<In>::kStageK - 1) / Operand<In>::kStageK,
+                                  bn + kScaleLead)))
     return LaunchStatus::kTensorMap;
   cudaError_t err = cudaSuccess;
-  const bool known = with_bn(bn, [&](auto bn_c) {
+  const bool known = with_bn<kBlocks ? kMaxBlocksBN : kMaxBN>(bn, [&](auto bn_c) {
     constexpr int BN = decltype(bn_c)::value;
-    using S = Shape<BN, kCoop>;
-    auto kernel = fit_gemm_kernel<T, In, BN, kCoop>;
+    using S = Shape<BN, kCoop, kBlocks>;
+    auto kernel = fit_gemm_kernel<T, In, BN, kCoop, kBlocks>;
     // The shared-memory limit is an attribute of the function on each device: raised once per
     // device (a bit per device of this instantiation).
     static std::atomic<uint64_t> raised{0};
@@ -106,8 +127,8 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
       raised.fetch_or(bit, std::memory_order_relaxed);
     }
     const int grid = p.tiles < ctas ? p.tiles : ctas;
-    kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, p);
-    err = cudaGetLastError();
+    kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, s_map, p);
+    err = cudaPeekAtLastError();  // left for the caller's message
   });
   if (!known) return LaunchStatus::kBadBN;
   return err == cudaSuccess ? LaunchStatus::kOk : LaunchStatus::kCuda;
@@ -116,19 +137,21 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
 }  // namespace fit
 }  // namespace tokenweave
 
-// The instantiations of both modes for one output and operand dtype (`extern` where they are
-// used, defined in csrc/launch_fit_gemm_*.cu, one translation unit each).
-#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In)                                                  \
-  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, false>(        \
-      const void*, int64_t, int64_t, const void*, int64_t,                                    \
+// The instantiations of both modes for one output dtype, operand dtype and scaling (`extern`
+// where they are used, defined in csrc/launch_fit_gemm_*.cu, one translation unit each).
+#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In, BLOCKS)                                          \
+  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, false, BLOCKS>( \
+      const void*, int64_t, int64_t, const void*, int64_t, const float*, int64_t,             \
       const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t);                         \
-  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, true>(         \
-      const void*, int64_t, int64_t, const void*, int64_t,                                    \
+  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, true, BLOCKS>(  \
+      const void*, int64_t, int64_t, const void*, int64_t, const float*, int64_t,             \
       const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t)
 
 #ifndef TOKENWEAVE_FIT_INSTANTIATE
-TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __half);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __half, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, true);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, true);
 #endif
