@@ -78,9 +78,9 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the faster); in blocks
 # ("blocks") the fitted kernel's cooperative mode where it runs, with token extents up to
 # FIT_BLOCKS_MAX_ROWS (`blocks_tiles`; 1.59x the one-consumer Triton kernel at the median of
-# 414 points, faster at all, the ping-pong mode faster at 19, by 1-5 %, one H100, 2026-12-06,
-# docs/results/gemm_fused_1gpu_fp8_blocks.json), else the one-consumer tiles (the Triton
-# kernels that scale each K block's product before adding it).
+# 414 points, faster at all, the ping-pong mode faster at 19, by 1-6 %, one H100, 2026-12-06,
+# docs/results/gemm_fused_1gpu_fp8_blocks.json; calls under 512 tokens not timed), else the
+# one-consumer tiles (the Triton kernels that scale each K block's product before adding it).
 FP8_BLOCK_K = 128
 FP8_SCALINGS = ("tensor", "blocks")
 # When the ping-pong kernel wins (one H200, docs/kernel.md "Ping-pong"): its tiles per CTA
@@ -104,7 +104,8 @@ RELEASES = ("gemm", "consumer")
 CONSUMER_RELEASE_MAX_WORK = 2.0
 # The fitted kernel (csrc/include/tokenweave/fit_gemm.cuh, sm_90): tiles of 128 weight rows
 # (ping-pong) or 256 (cooperative) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
-# its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor. Measured
+# its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor or in blocks
+# (in blocks up to FIT_BLOCKS_MAX_ROWS tokens, the cooperative mode only: `blocks_tiles`). Measured
 # on one H200 (docs/kernel.md, "The fitted kernel"):
 # - the token extent: the fewest waves x (extent + FIT_TILE_COST), a tile's fixed cost in tokens
 #   (the largest extent on ties: fewer, fuller tiles);
