@@ -70,6 +70,12 @@ CASES = [
      "bf16)",
      "block scales must be x's [32, a multiple of 4 >= 256] and the weight's [8, >= 32], got "
      "[32, 255] and [8, 32]"),
+    ("fit_gemm block scales, the weight's not 2-D",
+     "e4 = torch.float8_e4m3fn\n"
+     "xs, ws = torch.ones(32, 256, device=dev), torch.ones((), device=dev)\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
+     "bf16)",
+     "block scales are 2-D, the weight's has 0 dims"),
     ("fit_gemm block scales, block rows 112",
      "e4 = torch.float8_e4m3fn\n"
      "xs, ws = torch.ones(32, 256, device=dev), torch.ones(8, 32, device=dev)\n"

@@ -102,8 +102,9 @@ struct Shape {
   static constexpr int kTileM = kCoop ? 2 * kBM : kBM;
   static constexpr int kAStage = kTileM * kRowBytes;
   static constexpr int kBStage = BN * kRowBytes;
-  // kBlocks: the box of x scales, from the 16-byte-aligned token below the tile's first (TMA
-  // faults on an innermost coordinate that is not), so kScaleLead more.
+  // kBlocks: the box of x scales, from the 16-byte-aligned token below the tile's first, so
+  // kScaleLead more (a box at the tile's first token faulted, illegal instruction, on an H100
+  // wherever that token's offset was not a multiple of 16 bytes).
   static constexpr int kScaleBox = BN + kScaleLead;
   static constexpr int kSStage = kBlocks ? (kScaleBox * 4 + 127) / 128 * 128 : 0;
   static constexpr int kStageBytes = kAStage + kBStage + kSStage;
