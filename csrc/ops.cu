@@ -649,16 +649,20 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
     TW_CHECK(s.device() == x.device() && s.scalar_type() == at::kFloat && s.is_contiguous(),
              "tokenweave: fit_gemm: a scale_inv must be contiguous float32 on x's device");
   const int64_t k = x.size(1), n_out = weight.size(0);
-  const bool blocks = fp8 && scales[0].dim() == 2;
+  // One x scale is per tensor whatever its shape (block scales of x hold a multiple of 4).
+  const bool blocks = fp8 && scales[0].numel() > 1;
   if (fp8 && !blocks) {
-    TW_CHECK(scales[0].numel() == 1 && scales[1].numel() == 1,
-             "tokenweave: fit_gemm: scales per tensor are one float32 each");
+    TW_CHECK(scales[1].numel() == 1,
+             "tokenweave: fit_gemm: x's one scale is per tensor, so the weight's must be one "
+             "float32 too; got ", scales[1].numel());
   }
   if (blocks) {
     const int64_t kb = (k + fit::kBlockK - 1) / fit::kBlockK;
     const at::Tensor &xs = scales[0], &ws = scales[1];
-    TW_CHECK(ws.dim() == 2, "tokenweave: fit_gemm: block scales are 2-D, the weight's has ",
-             ws.dim(), " dims");
+    TW_CHECK(xs.dim() == 2 && ws.dim() == 2, "tokenweave: fit_gemm: block scales are 2-D, "
+             "x's has ", xs.dim(), " dims and the weight's ", ws.dim());
+    // x's scales are a TMA operand: its base address must be 16-byte aligned.
+    check_aligned(xs, "fit_gemm: x's block-scale tensor");
     TW_CHECK(xs.size(0) == kb && xs.size(1) % 4 == 0 && xs.size(1) >= x.size(0) &&
                  ws.size(0) == (n_out + fit::kBlockK - 1) / fit::kBlockK && ws.size(1) >= kb,
              "tokenweave: fit_gemm: block scales must be x's [", kb, ", a multiple of 4 >= ",

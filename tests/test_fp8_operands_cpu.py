@@ -100,6 +100,11 @@ def test_checks_refuse_what_the_kernel_cannot_take(blocks):
     if blocks:
         t = torch.ones(4, 4)[:, :2]
         bad.append(((x, w, Fp8Operands(ops.x_scale_inv, t, blocks)), "contiguous"))
+        # Contiguous and of the right shape, but 4 bytes past a 16-byte boundary.
+        shifted = torch.ones(ops.x_scale_inv.numel() + 4)[1:1 + ops.x_scale_inv.numel()]
+        shifted = shifted.view(ops.x_scale_inv.shape)
+        assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 4
+        bad.append(((x, w, Fp8Operands(shifted, ops.w_scale_inv, blocks)), "16-byte aligned"))
     for (xx, ww, oo), match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):
             oo.check(xx, ww)

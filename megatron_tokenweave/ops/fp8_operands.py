@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, scale_stride
-from megatron_tokenweave.ops.validate import TokenWeaveInputError
+from megatron_tokenweave.ops.validate import VECTOR_BYTES, TokenWeaveInputError
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,11 @@ class Fp8Operands:
                 raise TokenWeaveInputError(
                     f"the {name} scale_inv must be a contiguous float32 {shape} tensor on "
                     f"{x.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+        if self.blocks and self.x_scale_inv.data_ptr() % VECTOR_BYTES:
+            # The fitted kernel loads x's block scales by TMA, from a 16-byte-aligned base.
+            raise TokenWeaveInputError(
+                f"the x block scale_inv must start {VECTOR_BYTES}-byte aligned, got address "
+                f"{self.x_scale_inv.data_ptr():#x}")
 
     def dequantized(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:

@@ -75,7 +75,20 @@ CASES = [
      "xs, ws = torch.ones(32, 256, device=dev), torch.ones((), device=dev)\n"
      "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
      "bf16)",
-     "block scales are 2-D, the weight's has 0 dims"),
+     "block scales are 2-D, x's has 2 dims and the weight's 0"),
+    ("fit_gemm block scales, x's 4 bytes off 16",
+     "e4 = torch.float8_e4m3fn\n"
+     "xs = torch.ones(32 * 256 + 4, device=dev)[1:1 + 32 * 256].view(32, 256)\n"
+     "ws = torch.ones(8, 32, device=dev)\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
+     "bf16)",
+     "x's block-scale tensor is not 16-byte aligned"),
+    ("fit_gemm one x scale, two of the weight",
+     "e4 = torch.float8_e4m3fn\n"
+     "xs, ws = torch.ones(1, 1, device=dev), torch.ones(2, device=dev)\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
+     "bf16)",
+     "x's one scale is per tensor, so the weight's must be one float32 too; got 2"),
     ("fit_gemm block scales, block rows 112",
      "e4 = torch.float8_e4m3fn\n"
      "xs, ws = torch.ones(32, 256, device=dev), torch.ones(8, 32, device=dev)\n"
