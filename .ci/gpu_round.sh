@@ -83,6 +83,11 @@
 #          --breakdown) at the counts the sweep found short (512-1279, 5003), the shards that
 #          were shortest (Llama-3-8B, Qwen2.5-7B, Qwen2.5-72B) at TP 2 and 8, one JSON per
 #          family (a run cut at its limit keeps the families before)
+#   gemm_diag_blocks  the fitted kernel in FP8 blocks beside itself per tensor at the same token
+#          extents (bench gemm_fused --breakdown, both scalings: 64 and 96 tokens in both modes,
+#          and each pick's), Llama-3.3-70B at TP 2 and 8, 1000 / 4099 / 8192 tokens: whether
+#          the blocks kernel is short for its scaling or for its extent (kernel.md "Speed, in
+#          blocks")
 #   fp8    FP8 through the woven layer with ranks sharing one GPU (`stage.sh te` carried): GPTModel
 #          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
 #          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
@@ -300,6 +305,11 @@ case "$phase" in
         --models "$m" --tp 2 8 --tokens 512 513 641 777 1024 1279 5003 --iters 10 \
         --out "$out/gemm_diag_1gpu_$m.json"
     done
+    ;;
+  gemm_diag_blocks)
+    TAIL=30 step gemm_diag_blocks 540 python -m megatron_tokenweave.bench gemm_fused --breakdown \
+      --dtypes fp8 fp8_blocks --models llama-3.3-70b --tp 2 8 --tokens 1000 4099 8192 \
+      --iters 10 --out "$out/gemm_diag_fp8_blocks_1gpu.json"
     ;;
   serve_hybrid)
     TAIL=14 step serve_hybrid 560 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \
