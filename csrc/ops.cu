@@ -652,6 +652,7 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   // One x scale is per tensor whatever its shape (block scales of x hold a multiple of 4).
   const bool blocks = fp8 && scales[0].numel() > 1;
   if (fp8 && !blocks) {
+    TW_CHECK(scales[0].numel() == 1, "tokenweave: fit_gemm: x's scale_inv is empty");
     TW_CHECK(scales[1].numel() == 1,
              "tokenweave: fit_gemm: x's one scale is per tensor, so the weight's must be one "
              "float32 too; got ", scales[1].numel());

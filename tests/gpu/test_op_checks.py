@@ -89,6 +89,11 @@ CASES = [
      "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
      "bf16)",
      "x's one scale is per tensor, so the weight's must be one float32 too; got 2"),
+    ("fit_gemm an empty x scale",
+     "e4, one = torch.float8_e4m3fn, torch.ones(1, device=dev)\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, "
+     "[torch.ones(0, device=dev), one], bf16)",
+     "x's scale_inv is empty"),
     ("fit_gemm block scales, block rows 112",
      "e4 = torch.float8_e4m3fn\n"
      "xs, ws = torch.ones(32, 256, device=dev), torch.ones(8, 32, device=dev)\n"
