@@ -659,17 +659,17 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   }
   if (blocks) {
     const int64_t kb = (k + fit::kBlockK - 1) / fit::kBlockK;
+    const int64_t nb = (n_out + fit::kBlockK - 1) / fit::kBlockK;
     const at::Tensor &xs = scales[0], &ws = scales[1];
     TW_CHECK(xs.dim() == 2 && ws.dim() == 2, "tokenweave: fit_gemm: block scales are 2-D, "
              "x's has ", xs.dim(), " dims and the weight's ", ws.dim());
     // x's scales are a TMA operand: its base address must be 16-byte aligned.
     check_aligned(xs, "fit_gemm: x's block-scale tensor");
     TW_CHECK(xs.size(0) == kb && xs.size(1) % 4 == 0 && xs.size(1) >= x.size(0) &&
-                 ws.size(0) == (n_out + fit::kBlockK - 1) / fit::kBlockK && ws.size(1) >= kb,
+                 ws.size(0) == nb && ws.size(1) >= kb,
              "tokenweave: fit_gemm: block scales must be x's [", kb, ", a multiple of 4 >= ",
-             x.size(0), "] and the weight's [", (n_out + fit::kBlockK - 1) / fit::kBlockK,
-             ", >= ", kb, "], got [", xs.size(0), ", ", xs.size(1), "] and [", ws.size(0), ", ",
-             ws.size(1), "]");
+             x.size(0), "] and the weight's [", nb, ", >= ", kb, "], got [", xs.size(0), ", ",
+             xs.size(1), "] and [", ws.size(0), ", ", ws.size(1), "]");
   }
   TW_CHECK(weight.size(1) == k, "tokenweave: fit_gemm: x has ", k, " in-features, weight ",
            weight.size(1));

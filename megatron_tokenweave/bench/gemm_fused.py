@@ -68,6 +68,7 @@ from megatron_tokenweave.ops.segments import (
     RELEASES,
     TILES,
     fit_pick,
+    fit_tiles,
     fits_long_k,
     fitted_tiles,
     one_consumer_tiles,
@@ -182,9 +183,8 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                              fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
                              block_k=triton.tiles.block_k))})
             if fp8 == "blocks":  # the pick is cooperative: the ping-pong mode at its own extent
-                tiles = replace(seg.tiles, cooperative=False, block_cols=128,
-                                block_rows=fit_pick(Layout.REPLICATED, tp, tokens, n, sms, False,
-                                                    max_rows)[1])
+                tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms, False,
+                                           max_rows)[1], False, FP8_BLOCK_K)
                 other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
@@ -261,9 +261,7 @@ def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int, max_rows
     rows = {cooperative: sorted({*(r for r in FIT_BREAKDOWN_ROWS if r <= max_rows), fit_pick(
         Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative, max_rows)[1]})
         for cooperative in (False, True)}
-    return [replace(fitted_tiles(Layout.REPLICATED, 1, tokens, hidden, ctas), block_rows=r,
-                    block_cols=256 if c else 128, cooperative=c, block_k=block_k)
-            for c, extents in rows.items() for r in extents]
+    return [fit_tiles(r, c, block_k) for c, extents in rows.items() for r in extents]
 
 
 def _covered(seg, world: int) -> int:

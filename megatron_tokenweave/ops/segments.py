@@ -182,12 +182,13 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) 
     cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
     if not cooperative:
         extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1]
-    return _fitted(extent, cooperative)
+    return fit_tiles(extent, cooperative)
 
 
-def _fitted(extent: int, cooperative: bool) -> GemmTiles:
-    """The fitted kernel's tiles of a token extent in one mode."""
-    return GemmTiles(block_rows=extent, block_cols=256 if cooperative else 128, block_k=64,
+def fit_tiles(extent: int, cooperative: bool, block_k: int = 64) -> GemmTiles:
+    """The fitted kernel's tiles of a token extent in one mode (block_k: FP8_BLOCK_K for e4m3
+    operands)."""
+    return GemmTiles(block_rows=extent, block_cols=256 if cooperative else 128, block_k=block_k,
                      stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
 
 
@@ -249,8 +250,8 @@ def blocks_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
     loops run at once, so one's scaling of a K block's products runs beside the other's MMAs
     (ping-pong main loops alternate, the tensor cores idle while a consumer scales)."""
     if fitted:
-        tiles = _fitted(fit_pick(layout, world, rows, hidden, ctas, True,
-                                 FIT_BLOCKS_MAX_ROWS)[1], True)
+        tiles = fit_tiles(fit_pick(layout, world, rows, hidden, ctas, True,
+                                   FIT_BLOCKS_MAX_ROWS)[1], True)
     else:
         tiles = one_consumer_tiles(layout, world, rows, hidden, ctas)
     return replace(tiles, block_k=FP8_BLOCK_K)

@@ -372,15 +372,6 @@ FITTED_SHAPES = ((16, False), (72, True), (136, False), (176, True))
 FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False))  # up to 104 in blocks
 
 
-def _fitted_tiles(block_rows: int, cooperative: bool, block_k: int = 64):
-    """The fitted kernel's tiles of this token extent and mode (block_k: 128 for e4m3)."""
-    from megatron_tokenweave.ops.segments import GemmTiles
-
-    return GemmTiles(block_rows=block_rows, block_cols=256 if cooperative else 128,
-                     block_k=block_k, stages=0, warps=4, consumers=2, fitted=True,
-                     cooperative=cooperative)
-
-
 def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
     """t's values in rows `pad` elements longer than t's, the padding NaN (a kernel that read
     past K would show it): the operand form of padded rows (a row pitch over K)."""
@@ -396,11 +387,11 @@ def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative
     """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`
     (pads: elements past K in each row of x and of the weight): None if every owner's slot
     holds exactly its rows, else what is wrong."""
-    from megatron_tokenweave.ops.segments import segments
+    from megatron_tokenweave.ops.segments import fit_tiles, segments
     from megatron_tokenweave.ops.validate import Layout
 
     dev = torch.device("cuda", 0)
-    tiles = _fitted_tiles(block_rows, cooperative)
+    tiles = fit_tiles(block_rows, cooperative)
     sp = layout is Layout.SEQUENCE_PARALLEL
     stride = rows + 5  # chunks of x apart by more than their rows (sequence parallel)
     seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, tiles=tiles, first=3,
@@ -498,7 +489,7 @@ def test_gemm_takes_padded_rows():
     from dataclasses import replace
 
     from megatron_tokenweave.kernels.inbox import GemmInbox
-    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, LARGE, PINGPONG
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, LARGE, PINGPONG, fit_tiles
     from megatron_tokenweave.ops.validate import Layout
 
     dev = torch.device("cuda", 0)
@@ -515,8 +506,7 @@ def test_gemm_takes_padded_rows():
             if bad:
                 failures.append(f"bf16 fitted {block_rows}{'c' * cooperative} rows={rows} "
                                 f"pads={pad}: {bad}")
-        for tiles in (_fitted_tiles(136, False, FP8_BLOCK_K), _fitted_tiles(176, True,
-                                                                            FP8_BLOCK_K),
+        for tiles in (fit_tiles(136, False, FP8_BLOCK_K), fit_tiles(176, True, FP8_BLOCK_K),
                       replace(LARGE, block_k=FP8_BLOCK_K), replace(PINGPONG,
                                                                    block_k=FP8_BLOCK_K)):
             bad, _ = _fp8_case(inbox, Layout.REPLICATED, 4, 0, rows, 3696, n, False,
@@ -634,6 +624,7 @@ def test_fp8_gemm_matches_dequantized_reference():
         FP8_BLOCK_K,
         PINGPONG,
         TILES,
+        fit_tiles,
         one_consumer_tiles,
         segments,
     )
@@ -643,7 +634,7 @@ def test_fp8_gemm_matches_dequantized_reference():
     worst: dict[str, float] = {}
     pingpong = replace(PINGPONG, block_k=FP8_BLOCK_K)
     fits = fitted_gemm_available(dev)
-    fitted = {blocks: [_fitted_tiles(bn, coop, FP8_BLOCK_K) for bn, coop in shapes] if fits
+    fitted = {blocks: [fit_tiles(bn, coop, FP8_BLOCK_K) for bn, coop in shapes] if fits
               else [] for blocks, shapes in ((False, FITTED_SHAPES), (True, FITTED_BLOCK_SHAPES))}
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256), (1000, 208)):
