@@ -88,6 +88,9 @@
 #          and each pick's), Llama-3.3-70B at TP 2 and 8, 1000 / 4099 / 8192 tokens: whether
 #          the blocks kernel is short for its scaling or for its extent (kernel.md "Speed, in
 #          blocks")
+#   gemm_blocks_wide  the fitted kernel in FP8 blocks at extents past 104 (consumers of 64
+#          weight rows): the FP8 GEMM test and the op checks, then the breakdown of
+#          gemm_diag_blocks in blocks only (the forced extents to 208 among its rows)
 #   fp8    FP8 through the woven layer with ranks sharing one GPU (`stage.sh te` carried): GPTModel
 #          parity against Megatron's TE spec in each Hopper recipe at TP 2 and 4, HybridModel at
 #          TP 2, CUDA-graph replays; then the woven FP8 GEMMs' split cost beside bf16 (bench
@@ -310,6 +313,13 @@ case "$phase" in
     TAIL=30 step gemm_diag_blocks 540 python -m megatron_tokenweave.bench gemm_fused --breakdown \
       --dtypes fp8 fp8_blocks --models llama-3.3-70b --tp 2 8 --tokens 1000 4099 8192 \
       --iters 10 --out "$out/gemm_diag_fp8_blocks_1gpu.json"
+    ;;
+  gemm_blocks_wide)
+    TAIL=4 step blocks_wide_test 300 python -m pytest -x -v tests/gpu/test_gemm_fused.py \
+      tests/gpu/test_op_checks.py -k "fp8 or fit_gemm"
+    TAIL=30 step blocks_wide 300 python -m megatron_tokenweave.bench gemm_fused --breakdown \
+      --dtypes fp8_blocks --models llama-3.3-70b --tp 2 8 --tokens 1000 4099 8192 \
+      --iters 10 --out "$out/gemm_blocks_wide_1gpu.json"
     ;;
   serve_hybrid)
     TAIL=14 step serve_hybrid 560 python -m pytest -v -rs tests/gpu/test_serving_gpu.py \

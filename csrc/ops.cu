@@ -756,7 +756,7 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   p.seg_rows = static_cast<int>(seg_rows);
   p.inv_seg_rows = 1.0f / static_cast<float>(seg_rows);
   p.group_tiles = static_cast<int>((group_rows + bn - 1) / bn);
-  const int tile_m = coop ? 2 * fit::kBM : fit::kBM;
+  const int tile_m = (coop ? 2 : 1) * fit::consumer_rows(static_cast<int>(bn), blocks);
   p.m_tiles = static_cast<int>((n_out + tile_m - 1) / tile_m);
   p.tiles = p.m_tiles * p.groups * p.group_tiles;
   p.start = static_cast<int>(start % (p.groups * p.group_tiles));

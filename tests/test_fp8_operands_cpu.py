@@ -21,9 +21,14 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.gemm_rows import whole_boxes
 from megatron_tokenweave.ops.segments import (
+    FIT_BLOCKS_HALVES_MAX_ROWS,
     FIT_BLOCKS_MAX_ROWS,
+    FIT_BLOCKS_PICK_MAX_ROWS,
     FIT_FP8_MIN_K,
+    FIT_MAX_ROWS,
     FIT_MIN_CALL,
+    FIT_MIN_ROWS,
+    FIT_TILE_COST,
     FP8_BLOCK_K,
     FP8_PARTIAL_BOX_MIN_K,
     FP8_SCALINGS,
@@ -32,6 +37,8 @@ from megatron_tokenweave.ops.segments import (
     WIDE,
     estimated_time,
     fit_pick,
+    fit_tile_rows,
+    fit_tiles,
     fitted_tiles,
     one_consumer_tiles,
     segments,
@@ -118,7 +125,7 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
     FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode, but the one-consumer
     tiles over more than FP8_PARTIAL_BOX_MIN_K whose rows are not whole 128-byte boxes apart
     (K = 7392; with or without the fitted kernel, not where its wave rule takes the call);
-    block scales: the fitted kernel's cooperative tiles of at most FIT_BLOCKS_MAX_ROWS tokens
+    block scales: the fitted kernel's cooperative tiles of at most FIT_BLOCKS_PICK_MAX_ROWS tokens
     where it runs, else the fastest one-consumer tiles by estimated time; all with K blocks of
     FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
@@ -142,9 +149,11 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
                 picked[scaling].add("partial box" if partial_box else "long K" if long_k else
                                     "fitted" if t.fitted else t.consumers)
             elif fitted:
-                assert t.fitted and t.cooperative and t.block_cols == 256
+                assert t.fitted and t.cooperative
                 assert t.block_rows == fit_pick(layout, world, rows, hidden, ctas, True,
-                                                FIT_BLOCKS_MAX_ROWS)[1] <= FIT_BLOCKS_MAX_ROWS
+                                                FIT_BLOCKS_PICK_MAX_ROWS, blocks=True)[1]
+                assert t.block_rows <= FIT_BLOCKS_PICK_MAX_ROWS
+                assert t.block_cols == fit_tile_rows(t.block_rows, True, blocks=True)
                 picked[scaling].add("fitted coop")
             else:
                 best = min(estimated_time(c, layout, world, rows, hidden, ctas)
@@ -298,3 +307,40 @@ def test_woven_fp8_communicating_gemm_equals_the_reference():
     rank; the segments the schedule made are FP8 ones over the quantized half alone."""
     for errors in run_ranks(_woven_fp8_worker, world=2):
         assert len(errors) == 4 and max(errors) <= 1e-5, errors
+
+
+
+def _fit_waves_cost(extent: int, rows: int, hidden: int, ctas: int, cooperative: bool,
+                    blocks: bool) -> tuple[int, int]:
+    """(waves, waves x weight rows x (extent + FIT_TILE_COST)) of fitted tiles of `extent`
+    tokens over a replicated call."""
+    tile = fit_tile_rows(extent, cooperative, blocks)
+    waves = -(-(-(-hidden // tile) * -(-rows // extent)) // ctas)
+    return waves, waves * tile * (extent + FIT_TILE_COST)
+
+
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_fitted_tiles_in_blocks_take_64_weight_rows_a_consumer_past_104_tokens(cooperative):
+    """The fitted kernel's tiles in blocks (fit_gemm.cuh consumer_rows): 128 weight rows a
+    consumer up to FIT_BLOCKS_HALVES_MAX_ROWS tokens, 64 past it up to FIT_BLOCKS_MAX_ROWS;
+    per tensor and 16-bit 128 at every extent. fit_pick in blocks weighs a wave by its tiles'
+    weight rows, so its extent is the one with the least waves x weight rows x (extent +
+    FIT_TILE_COST) (the largest on ties) and, out of blocks, the same as by waves alone."""
+    per = 2 if cooperative else 1
+    for extent in range(FIT_MIN_ROWS, FIT_BLOCKS_MAX_ROWS + 1, 8):
+        wide = extent > FIT_BLOCKS_HALVES_MAX_ROWS
+        assert fit_tile_rows(extent, cooperative, blocks=True) == per * (64 if wide else 128)
+        assert fit_tile_rows(extent, cooperative) == per * 128
+        t = fit_tiles(extent, cooperative, FP8_BLOCK_K, blocks=True)
+        assert (t.block_rows, t.block_cols, t.fitted) == (extent, per * (64 if wide else 128), True)
+    for rows, hidden, ctas, blocks in itertools.product(
+            (1, 513, 1000, 4099, 8192, 16383), (4096, 5120, 8192), (8, 132), (False, True)):
+        most = FIT_BLOCKS_MAX_ROWS if blocks else FIT_MAX_ROWS
+        extents = range(FIT_MIN_ROWS, most + 1, 8)
+        costs = {e: _fit_waves_cost(e, rows, hidden, ctas, cooperative, blocks) for e in extents}
+        waves, extent = fit_pick(Layout.REPLICATED, 1, rows, hidden, ctas, cooperative, most,
+                                 blocks)
+        assert extent == min(extents, key=lambda e: (costs[e][1], -e))
+        assert waves == costs[extent][0]
+        if not blocks:  # one tile height: the same extent as waves x (extent + cost) alone
+            assert extent == min(extents, key=lambda e: (costs[e][0] * (e + FIT_TILE_COST), -e))

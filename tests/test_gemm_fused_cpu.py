@@ -573,24 +573,27 @@ def test_gemm_fused_blocks_without_a_reference(tmp_path):
 
 
 @pytest.mark.parametrize("tokens,hidden", [(513, 4096), (777, 8192), (5003, 3584)])
-@pytest.mark.parametrize("block_k,most", [(64, 176), (128, 104)])
-def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden, block_k, most):
+@pytest.mark.parametrize("block_k,most,blocks", [(64, 176, False), (128, 208, True)])
+def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden, block_k, most,
+                                                                  blocks):
     """bench gemm_fused --breakdown's fitted variants: both modes, each at every forced extent
     up to the largest the call's operands take (FP8 in blocks: FIT_BLOCKS_MAX_ROWS) and at the
-    extent its model picks for the call, each a tile the kernel takes, named apart."""
+    extent its model picks for the call, each a tile the kernel takes (in blocks of 64 weight
+    rows a consumer past FIT_BLOCKS_HALVES_MAX_ROWS tokens), named apart."""
     from megatron_tokenweave.bench import gemm_fused
-    from megatron_tokenweave.ops.segments import FIT_MIN_ROWS, fit_pick
+    from megatron_tokenweave.ops.segments import FIT_BLOCKS_HALVES_MAX_ROWS, FIT_MIN_ROWS, fit_pick
 
-    variants = gemm_fused._fitted_variants(tokens, hidden, 132, block_k, most)
+    variants = gemm_fused._fitted_variants(tokens, hidden, 132, block_k, most, blocks)
     names = [gemm_fused._tiles_name(t) for t in variants]
     assert len(set(names)) == len(names)
     for cooperative in (False, True):
         mine = {t.block_rows for t in variants if t.cooperative == cooperative}
-        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative, most)[1]
+        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative, most, blocks)[1]
         assert mine == {*(r for r in gemm_fused.FIT_BREAKDOWN_ROWS if r <= most), picked}
     for t in variants:
         assert t.fitted and t.block_k == block_k
-        assert t.block_cols == (256 if t.cooperative else 128)
+        rows = 64 if blocks and t.block_rows > FIT_BLOCKS_HALVES_MAX_ROWS else 128
+        assert t.block_cols == (2 * rows if t.cooperative else rows)
         assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= most
 
 
@@ -632,7 +635,7 @@ def test_fitted_launcher_refuses_bad_input():
     e4m3 = torch.float8_e4m3fn
     fp8 = dict(x=x.to(e4m3), w=w.to(e4m3), fp8="tensor", out=torch.bfloat16)
     base = dict(x=x, w=w, bias=None, seg=seg, fp8=None, out=None)
-    blocks = fp8 | dict(fp8="blocks", seg=replace(seg, tiles=replace(tiles, block_rows=104)))
+    blocks = fp8 | dict(fp8="blocks", seg=replace(seg, tiles=replace(tiles, block_rows=208)))
 
     def check(args: dict) -> None:
         check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
@@ -662,8 +665,8 @@ def test_fitted_launcher_refuses_bad_input():
         (fp8 | dict(bias=torch.randn(512, dtype=torch.float16)), "e4m3 operands"),
         (fp8 | dict(x=fp8["x"][:, :200].contiguous(), w=fp8["w"][:, :200].contiguous()),
          "K a multiple of 16"),
-        (blocks | dict(seg=replace(seg, tiles=replace(tiles, block_rows=112))),
-         r"16\.\.104 \(block scales\)"),
+        (blocks | dict(seg=replace(seg, tiles=replace(tiles, block_rows=216))),
+         r"16\.\.208 \(block scales\)"),
     ]
     for change, match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):

@@ -77,7 +77,7 @@ from megatron_tokenweave.ops.segments import (
 from megatron_tokenweave.ops.validate import Layout
 
 GEMMS = {"o_proj": "proj", "fc2": "fc2"}  # the result's name -> split_cost.layer_gemms's
-FIT_BREAKDOWN_ROWS = (64, 96, 128, 176)  # --breakdown: fitted token extents forced in both modes
+FIT_BREAKDOWN_ROWS = (64, 96, 104, 128, 176, 208)  # --breakdown: fitted extents in both modes
 CALLS = 10  # calls per timed graph
 # 512-16K: powers of two, and counts that are odd, prime, or one past a tile
 SWEEP = [512, 513, 641, 777, 1000, 1024, 1279, 1531, 2047, 2048, 2500, 3001, 3583, 4096, 4099,
@@ -184,7 +184,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                              block_k=triton.tiles.block_k))})
             if fp8 == "blocks":  # the pick is cooperative: the ping-pong mode at its own extent
                 tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms, False,
-                                           max_rows)[1], False, FP8_BLOCK_K)
+                                           max_rows, blocks=True)[1], False, FP8_BLOCK_K, True)
                 other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
@@ -205,7 +205,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                 forced.update({f"tokenweave_{_tiles_name(tiles)}": segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
                     for tiles in _fitted_variants(tokens, n, sms, triton.tiles.block_k,
-                                                  max_rows)})
+                                                  max_rows, fp8 == "blocks")})
         covered = _covered(seg, tp)
         alloc = max(covered, cublas_rows(tokens) if fp8 == "blocks" else tokens)
         out = torch.empty(alloc, n, device=dev, dtype=torch_dtype)
@@ -254,14 +254,15 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     return rows
 
 
-def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int, max_rows: int) -> list:
+def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int, max_rows: int,
+                     blocks: bool) -> list:
     """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens (up to max_rows)
     and at the extent its model picks per mode (ops/segments.fit_pick): whether a shortfall is
     the pick's extent or mode, or the kernel at any extent."""
     rows = {cooperative: sorted({*(r for r in FIT_BREAKDOWN_ROWS if r <= max_rows), fit_pick(
-        Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative, max_rows)[1]})
+        Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative, max_rows, blocks)[1]})
         for cooperative in (False, True)}
-    return [fit_tiles(r, c, block_k) for c, extents in rows.items() for r in extents]
+    return [fit_tiles(r, c, block_k, blocks) for c, extents in rows.items() for r in extents]
 
 
 def _covered(seg, world: int) -> int:

@@ -77,7 +77,7 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong pick's 0.87-0.93x; at
 # K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the faster); in blocks
 # ("blocks") the fitted kernel's cooperative mode where it runs, with token extents up to
-# FIT_BLOCKS_MAX_ROWS (`blocks_tiles`; 1.59x the one-consumer Triton kernel at the median of
+# FIT_BLOCKS_PICK_MAX_ROWS (`blocks_tiles`; 1.59x the one-consumer Triton kernel at the median of
 # 414 points, faster at all, the ping-pong mode faster at 19, by 1-6 %, one H100, 2026-12-06,
 # docs/results/gemm_fused_1gpu_fp8_blocks.json; calls under 512 tokens not timed), else the
 # one-consumer tiles (the Triton kernels that scale each K block's product before adding it).
@@ -103,9 +103,10 @@ PINGPONG_MIN_TILES = 3
 RELEASES = ("gemm", "consumer")
 CONSUMER_RELEASE_MAX_WORK = 2.0
 # The fitted kernel (csrc/include/tokenweave/fit_gemm.cuh, sm_90): tiles of 128 weight rows
-# (ping-pong) or 256 (cooperative) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
+# (ping-pong) or 256 (cooperative; in blocks past FIT_BLOCKS_HALVES_MAX_ROWS tokens 64 or 128:
+# `fit_tile_rows`) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
 # its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor or in blocks
-# (in blocks up to FIT_BLOCKS_MAX_ROWS tokens, the cooperative mode only: `blocks_tiles`). Measured
+# (in blocks up to FIT_BLOCKS_MAX_ROWS tokens; the pick: `blocks_tiles`). Measured
 # on one H200 (docs/kernel.md, "The fitted kernel"):
 # - the token extent: the fewest waves x (extent + FIT_TILE_COST), a tile's fixed cost in tokens
 #   (the largest extent on ties: fewer, fuller tiles);
@@ -117,7 +118,13 @@ CONSUMER_RELEASE_MAX_WORK = 2.0
 #   FIT_BELOW: counts just past a wave of Triton's tiles, where a whole extra row block and wave
 #   cost it 0.5-0.8x of cuBLAS; elsewhere the Triton kernels measured faster.
 FIT_MIN_ROWS, FIT_MAX_ROWS = 16, 176
-FIT_BLOCKS_MAX_ROWS = 104  # e4m3 in blocks: two accumulators a thread (fit_gemm.cuh kMaxBlocksBN)
+# e4m3 in blocks a consumer holds two accumulators (fit_gemm.cuh): of 128 weight rows up to
+# FIT_BLOCKS_HALVES_MAX_ROWS tokens, of 64 above it up to FIT_BLOCKS_MAX_ROWS (kMaxBlocksBN).
+# The pick stays within the extents it was measured at, FIT_BLOCKS_PICK_MAX_ROWS (the wider
+# tiles are not timed yet: docs/kernel.md "Speed, in blocks").
+FIT_BLOCKS_HALVES_MAX_ROWS = 104
+FIT_BLOCKS_MAX_ROWS = 208
+FIT_BLOCKS_PICK_MAX_ROWS = 104
 FIT_TILE_COST = 16
 FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
@@ -161,18 +168,28 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
     return -(-tiles // max(1, ctas)) * t.block_rows * t.block_cols / t.efficiency
 
 
+def fit_tile_rows(extent: int, cooperative: bool, blocks: bool = False) -> int:
+    """Weight rows of a fitted tile (fit_gemm.cuh consumer_rows): 128 a consumer, 64 in blocks
+    past FIT_BLOCKS_HALVES_MAX_ROWS tokens; both consumers' in the cooperative mode."""
+    rows = 64 if blocks and extent > FIT_BLOCKS_HALVES_MAX_ROWS else 128
+    return 2 * rows if cooperative else rows
+
+
 def fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
-              cooperative: bool, max_rows: int = FIT_MAX_ROWS) -> tuple[int, int]:
+              cooperative: bool, max_rows: int = FIT_MAX_ROWS,
+              blocks: bool = False) -> tuple[int, int]:
     """(waves, token extent) of the fitted kernel's best tiles in one mode (FIT_TILE_COST), of
-    token extents up to max_rows."""
+    token extents up to max_rows (blocks: e4m3 operands in blocks, whose tiles' weight rows
+    depend on the extent: a wave's time counts them)."""
     groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
-    m_tiles = -(-hidden // (256 if cooperative else 128))
 
     def waves(extent: int) -> int:
+        m_tiles = -(-hidden // fit_tile_rows(extent, cooperative, blocks))
         return -(-m_tiles * groups * -(-max(1, rows) // extent) // max(1, ctas))
 
     extent = min(range(FIT_MIN_ROWS, max_rows + 1, 8),
-                 key=lambda e: (waves(e) * (e + FIT_TILE_COST), -e))
+                 key=lambda e: (waves(e) * fit_tile_rows(e, cooperative, blocks)
+                                * (e + FIT_TILE_COST), -e))
     return waves(extent), extent
 
 
@@ -185,11 +202,13 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) 
     return fit_tiles(extent, cooperative)
 
 
-def fit_tiles(extent: int, cooperative: bool, block_k: int = 64) -> GemmTiles:
+def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
+              blocks: bool = False) -> GemmTiles:
     """The fitted kernel's tiles of a token extent in one mode (block_k: FP8_BLOCK_K for e4m3
-    operands)."""
-    return GemmTiles(block_rows=extent, block_cols=256 if cooperative else 128, block_k=block_k,
-                     stages=0, warps=4, consumers=2, fitted=True, cooperative=cooperative)
+    operands; blocks: scaled in blocks, `fit_tile_rows`)."""
+    return GemmTiles(block_rows=extent, block_cols=fit_tile_rows(extent, cooperative, blocks),
+                     block_k=block_k, stages=0, warps=4, consumers=2, fitted=True,
+                     cooperative=cooperative)
 
 
 def _call_rows(layout: Layout, world: int, rows: int) -> int:
@@ -245,13 +264,13 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
 def blocks_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
                  fitted: bool) -> GemmTiles:
     """The tiles of a call with e4m3 operands in blocks (`tiles_for`): the fitted kernel's in
-    its cooperative mode, of token extents up to FIT_BLOCKS_MAX_ROWS, where it runs (fitted),
+    its cooperative mode, of token extents up to FIT_BLOCKS_PICK_MAX_ROWS, where it runs (fitted),
     else the fastest one-consumer tiles by `estimated_time`. Cooperative: its consumers' main
     loops run at once, so one's scaling of a K block's products runs beside the other's MMAs
     (ping-pong main loops alternate, the tensor cores idle while a consumer scales)."""
     if fitted:
         tiles = fit_tiles(fit_pick(layout, world, rows, hidden, ctas, True,
-                                   FIT_BLOCKS_MAX_ROWS)[1], True)
+                                   FIT_BLOCKS_PICK_MAX_ROWS, blocks=True)[1], True, blocks=True)
     else:
         tiles = one_consumer_tiles(layout, world, rows, hidden, ctas)
     return replace(tiles, block_k=FP8_BLOCK_K)

@@ -369,7 +369,9 @@ def _skip_without_fitted():
 
 # (token extent, cooperative) of the fitted tiles the fitted kernel's tests force in turn.
 FITTED_SHAPES = ((16, False), (72, True), (136, False), (176, True))
-FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False))  # up to 104 in blocks
+# in blocks up to 104 tokens consumers of 128 weight rows, past it of 64 (to 208)
+FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False), (112, True),
+                       (168, False), (208, True))
 
 
 def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
@@ -613,7 +615,7 @@ def test_fp8_gemm_matches_dequantized_reference():
     the calls (asserted); every kernel on every call: the pick, the Triton kernel it did not
     pick (per tensor the one-consumer or ping-pong one; in blocks the one-consumer one where
     the pick is fitted), and where it runs the fitted kernel, its token extents (in blocks up
-    to 104) and both modes taken in turn."""
+    to 208: consumers of 128 weight rows to 104, of 64 past it) and both modes taken in turn."""
     _skip_without_kernels()
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89 or newer")
@@ -634,7 +636,7 @@ def test_fp8_gemm_matches_dequantized_reference():
     worst: dict[str, float] = {}
     pingpong = replace(PINGPONG, block_k=FP8_BLOCK_K)
     fits = fitted_gemm_available(dev)
-    fitted = {blocks: [fit_tiles(bn, coop, FP8_BLOCK_K) for bn, coop in shapes] if fits
+    fitted = {blocks: [fit_tiles(bn, coop, FP8_BLOCK_K, blocks) for bn, coop in shapes] if fits
               else [] for blocks, shapes in ((False, FITTED_SHAPES), (True, FITTED_BLOCK_SHAPES))}
     for dtype in (torch.bfloat16, torch.float16):
         for (n, k) in ((8192, 3584), (5120, 3584), (4096, 1792), (1064, 256), (1000, 208)):
@@ -696,7 +698,7 @@ def test_fp8_gemm_refuses_bad_input():
     pingpong, fitted = (segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
                                  tiles=replace(t, block_k=FP8_BLOCK_K))
                         for t in (PINGPONG, replace(fitted_tiles(Layout.REPLICATED, 2, 300, 512,
-                                                                 132), block_rows=112)))
+                                                                 132), block_rows=216)))
     x = torch.randn(300, 256, device=dev).to(FP8_DTYPE)
     w = torch.randn(512, 256, device=dev).to(FP8_DTYPE)
     one = torch.ones(1, device=dev)
@@ -707,7 +709,7 @@ def test_fp8_gemm_refuses_bad_input():
            (x, w, pingpong, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
             "one-consumer"),
            (x, w, fitted, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
-            r"16\.\.104 \(block scales\)"),
+            r"16\.\.208 \(block scales\)"),
            (x, w, seg, Fp8Operands(one.double(), one), "float32"),
            (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),
            (x, w, seg, replace(blocks, x_scale_inv=torch.ones(2, 301, device=dev)), "x scale"),

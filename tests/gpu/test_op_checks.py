@@ -94,13 +94,13 @@ CASES = [
      "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, "
      "[torch.ones(0, device=dev), one], bf16)",
      "x's scale_inv is empty"),
-    ("fit_gemm block scales, block rows 112",
+    ("fit_gemm block scales, block rows 216",
      "e4 = torch.float8_e4m3fn\n"
      "xs, ws = torch.ones(32, 256, device=dev), torch.ones(8, 32, device=dev)\n"
-     "geometry[9] = 112\n"
+     "geometry[9] = 216\n"
      "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
      "bf16)",
-     "in 16..104 (block scales), got 112"),
+     "in 16..208 (block scales), got 216"),
 ]
 
 

@@ -18,21 +18,23 @@
 // blocks (kBlocks: TE's blockwise recipe, 1 x 128 blocks of x, 128 x 128 of the weight). A stage
 // holds 128 bytes of K per row either way (64 16-bit elements or 128 e4m3 ones), and one wgmma
 // takes 32 bytes of it (k16 or k32), so the pipeline and its descriptors are the same. In
-// blocks a stage is exactly one K block and a consumer's 128 weight rows one weight block, so
+// blocks a stage is exactly one K block and a consumer's weight rows lie in one weight block, so
 // the block's scale is one weight scale times one x scale per token: each stage's MMAs go into
 // a second accumulator, which is then added into the tile's, scaled (one FFMA per element;
 // the tokens' scales come with the stage, by TMA). The stage's MMAs are waited for before that
 // add, so the tensor cores take the other consumer's MMAs meanwhile (both consumers run their
-// main loops at once in the cooperative mode); two accumulators per thread bound the token
-// extent to kMaxBlocksBN.
+// main loops at once in the cooperative mode). Two accumulators a thread bound a consumer of 128
+// weight rows to kMaxHalvesBlocksBN tokens; past it a consumer takes 64 weight rows (one m64
+// wgmma a K step: consumer_rows), up to kMaxBlocksBN tokens in the same registers.
 //
 // Structure (one CTA per SM, persistent, 384 threads):
 // - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
 //   with TMA into a ring of kStages slots (the weight's box of 128 or 256 rows and the tokens'
 //   BN rows, 128 bytes of K each, 128-byte-swizzled K-major rows), each slot with a `full` barrier
 //   (transaction bytes) and an `empty` barrier (the consumer warps' release);
-// - warpgroups 1 and 2, the consumers, each with a 128 x BN fp32 tile part in registers (two
-//   m64nBN wgmma per 32 bytes of K), one wgmma group in flight, each slot released as the next
+// - warpgroups 1 and 2, the consumers, each with a kBM x BN fp32 tile part in registers (kBM 128:
+//   two m64nBN wgmma per 32 bytes of K; 64 in blocks past kMaxHalvesBlocksBN tokens, where every
+//   "128 weight rows" below is 64), one wgmma group in flight, each slot released as the next
 //   group is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles c, c + 2, ... of
 //   128 weight rows; their main loops alternate (named barriers 1 and 2: a consumer waits for the
 //   slots of its tile only after the other consumer waited for all of the previous tile's, so
@@ -60,7 +62,7 @@
 namespace tokenweave {
 namespace fit {
 
-constexpr int kBM = 128;            // weight rows (output columns) per consumer's tile part
+constexpr int kHalfM = 64;          // weight rows (output columns) of one m64 wgmma
 constexpr int kRowBytes = 128;      // bytes of K per row and stage (the 128-byte swizzle)
 constexpr int kBlockK = 128;        // e4m3 in blocks: K per scale block, one stage's
 constexpr int kThreads = 384;       // producer + two consumer warpgroups
@@ -68,7 +70,8 @@ constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per
 constexpr int kGroupM = 8;          // weight tiles per group of the tile order
 constexpr int kMinBN = 16;
 constexpr int kMaxBN = 176;         // BN fp32 accumulators per consumer thread: no spills to 176
-constexpr int kMaxBlocksBN = 104;   // e4m3 in blocks: 2 x BN accumulators a thread: no spills
+constexpr int kMaxHalvesBlocksBN = 104;  // e4m3 in blocks, 128-row consumers: 2 x BN accumulators
+constexpr int kMaxBlocksBN = 208;   // e4m3 in blocks, 64-row consumers: 2 x BN / 2 accumulators
 constexpr int kScaleLead = 4;       // e4m3 in blocks: x scales per 16 bytes (a TMA box's start)
 constexpr int kSmemLimit = 232448;  // bytes of dynamic shared memory per block (sm_90)
 constexpr int kBarrierBytes = 256;  // the pipeline's barriers, after the stages
@@ -94,11 +97,20 @@ struct FitGemmParams {
   int start;                   // the first token tile (rotation)
 };
 
+// Weight rows per consumer: two m64 halves (BN accumulators a thread), or one in blocks past
+// kMaxHalvesBlocksBN tokens (a K block's products beside the sums: 2 x BN / 2 a thread), which
+// keeps the tokens of a tile to kMaxBlocksBN within the registers of the halves' 104.
+__host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
+  return blocks && bn > kMaxHalvesBlocksBN ? kHalfM : 2 * kHalfM;
+}
+
 // kCoop: both consumers on one tile of 2 x kBM weight rows (each its own kBM); else each its own
 // tiles of kBM rows, alternating ("ping-pong"). kBlocks: a stage also holds the tile's tokens'
 // scales of its K block (BN fp32).
 template <int BN, bool kCoop, bool kBlocks = false>
 struct Shape {
+  static constexpr int kBM = consumer_rows(BN, kBlocks);
+  static constexpr int kSubs = kBM / kHalfM;  // m64 wgmma per 32 bytes of K
   static constexpr int kTileM = kCoop ? 2 * kBM : kBM;
   static constexpr int kAStage = kTileM * kRowBytes;
   static constexpr int kBStage = BN * kRowBytes;
@@ -116,7 +128,7 @@ struct Shape {
   static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= (kBlocks ? kMaxBlocksBN : kMaxBN),
                 "BN: a multiple of 8 in kMinBN..kMaxBN (kMaxBlocksBN in blocks)");
   static_assert(kStages >= 3, "too few pipeline stages fit");
-  static_assert(!kBlocks || kBM == kBlockK, "a consumer's weight rows: one scale block");
+  static_assert(!kBlocks || kBlockK % kBM == 0, "a consumer's weight rows: one scale block");
 };
 
 // An operand type's wgmma and K per stage (kRowBytes of it).
@@ -152,6 +164,7 @@ __device__ __forceinline__ int tile_x_row(const FitGemmParams& p, int nt, int bn
 // Byte offset of the 16-byte granule `granule` of token row `row` in a staging buffer: rows of
 // kBM elements, granules XOR-swizzled by the row so that neither stmatrix's 8-row blocks nor the
 // row reads meet bank conflicts.
+template <int kBM>
 __device__ __forceinline__ uint32_t stage_offset(int row, int granule) {
   return static_cast<uint32_t>(row * kBM * 2 + ((granule ^ (row & 7)) << 4));
 }
@@ -164,25 +177,29 @@ __device__ __forceinline__ int owner_of(const FitGemmParams& p, int j) {
   return owner;
 }
 
-// A consumer's kBM x BN accumulators (weight columns col0.., token tile nt) into the owners'
-// inboxes: per kEpiTokens tokens, bias and rounding into a staging buffer (stmatrix, token rows),
-// then each thread's 16 bytes of kEpiTokens / 8 rows, all loaded before any is stored. Two
+// A consumer's kSubs x 64 by BN accumulators (weight columns col0.., token tile nt) into the
+// owners' inboxes: per kEpiTokens tokens, bias and rounding into a staging buffer (stmatrix, token
+// rows), then each thread's 16 bytes of kEpiTokens x kSubs / 16 rows, all loaded before any is
+// stored. Two
 // buffers, so one barrier per pass: a buffer is rewritten two passes later, after every thread
 // passed the barrier between. `pass` counts the consumer's passes over all its tiles. (Measured
 // on one H200: faster than handing the staged rows to the copy engine, per row or per 8-row box,
 // whose many small copies cost 2-3x this pass's time.)
-template <typename T, int BN>
-__device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2][BN / 2],
+template <typename T, int BN, int kSubs>
+__device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[kSubs][BN / 2],
                                          int col0, int nt, uint8_t* stage, int consumer,
                                          int& pass) {
   using namespace hopper;
-  constexpr int kSweeps = kEpiTokens / 8;  // rows per thread per pass
+  constexpr int kBM = kSubs * kHalfM;
+  constexpr int kGranules = kBM * 2 / 16;            // 16-byte granules of a staged row
+  constexpr int kSweepRows = 128 / kGranules;        // rows the consumer's threads read at once
+  constexpr int kSweeps = kEpiTokens / kSweepRows;   // rows per thread per pass
   const int tid = threadIdx.x - 128 * (consumer + 1);
   const int warp = tid >> 5, lane = tid & 31;
-  float bias[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  float bias[kSubs][2] = {};
   if (p.bias != nullptr) {
 #pragma unroll
-    for (int sub = 0; sub < 2; ++sub)
+    for (int sub = 0; sub < kSubs; ++sub)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = col0 + sub * 64 + 16 * warp + (lane >> 2) + 8 * h;
@@ -192,7 +209,8 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2]
   const int g = nt / p.group_tiles;
   const int j0 = (nt - g * p.group_tiles) * BN;  // the tile's first row within its group
   const int valid = min(BN, p.group_rows - j0);  // rows of the tile that hold rows
-  const int vcol = tid & 15, vrow = tid >> 4;    // this thread's granule, first row of a pass
+  // This thread's granule and first row of a pass (kGranules: a power of two).
+  const int vcol = tid & (kGranules - 1), vrow = static_cast<unsigned>(tid) / kGranules;
   const bool col_ok = col0 + vcol * 8 < p.n_out;
   const int64_t row_bytes = static_cast<int64_t>(p.n_out) * sizeof(T);
   const int64_t col_bytes = (static_cast<int64_t>(col0) + vcol * 8) * sizeof(T);
@@ -209,9 +227,9 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2]
       const int blk = lane >> 3;
       const int n = 8 * (jj + (blk >> 1)) + (lane & 7);
 #pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
+      for (int sub = 0; sub < kSubs; ++sub) {
         const int granule = sub * 8 + 2 * warp + (blk & 1);
-        const uint32_t addr = smem_addr(buf) + stage_offset(n, granule);
+        const uint32_t addr = smem_addr(buf) + stage_offset<kBM>(n, granule);
         const float b0 = bias[sub][0], b1 = bias[sub][1];
         if (j + 1 < BN / 8) {
           stmatrix_x4_trans(addr,
@@ -234,10 +252,11 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2]
     Vec16 v[kSweeps];
 #pragma unroll
     for (int q = 0; q < kSweeps; ++q)
-      v[q] = *reinterpret_cast<const Vec16*>(buf + stage_offset(vrow + 8 * q, vcol));
+      v[q] = *reinterpret_cast<const Vec16*>(
+          buf + stage_offset<kBM>(vrow + kSweepRows * q, vcol));
 #pragma unroll
     for (int q = 0; q < kSweeps; ++q) {
-      const int row = c * kEpiTokens + vrow + 8 * q;  // within the tile
+      const int row = c * kEpiTokens + vrow + kSweepRows * q;  // within the tile
       if (row < valid && col_ok) {
         const int j = j0 + row;
         const int owner = sp ? g : owner_of(p, j);
@@ -257,8 +276,10 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[2]
 // `part`, waited for, then added into acc scaled by the weight block's scale (`ws`: its K
 // blocks' scales; null past the weight's rows) times each token's (the stage's scales, the
 // tile's first `lead` places in); every slot released here (returns -1).
-template <typename In, int BN, bool kCoop, bool kBlocks>
-__device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[2][BN / 2],
+template <typename In, int BN, bool kCoop, bool kBlocks,
+          int kSubs = Shape<BN, kCoop, kBlocks>::kSubs>
+__device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
+                                          float (&part)[kSubs][BN / 2],
                                           const uint8_t* a_smem, const uint8_t* b_smem,
                                           const uint8_t* s_smem, uint64_t* full, uint64_t* empty,
                                           int seq0, int k_steps, uint32_t a_part,
@@ -270,7 +291,7 @@ __device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[
   int prev = -1;
   if constexpr (kBlocks) {
 #pragma unroll
-    for (int sub = 0; sub < 2; ++sub)
+    for (int sub = 0; sub < kSubs; ++sub)
 #pragma unroll
       for (int e = 0; e < BN / 2; ++e) acc[sub][e] = 0.f;
   }
@@ -285,8 +306,8 @@ __device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[
     for (int kk = 0; kk < kRowBytes / 32; ++kk) {
       const uint64_t bd = smem_desc_k128(b0 + kk * 32);
 #pragma unroll
-      for (int sub = 0; sub < 2; ++sub) {
-        const uint64_t ad = smem_desc_k128(a0 + sub * 64 * kRowBytes + kk * 32);
+      for (int sub = 0; sub < kSubs; ++sub) {
+        const uint64_t ad = smem_desc_k128(a0 + sub * kHalfM * kRowBytes + kk * 32);
         if constexpr (kBlocks)
           Wgmma<BN>::template mma<Op::kMma>(part[sub], ad, bd, kk != 0);
         else
@@ -297,8 +318,8 @@ __device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[
     if constexpr (kBlocks) {
       const float sw = ws != nullptr ? __ldg(ws + kt) : 0.f;  // loaded while the MMAs run
       wgmma_wait<0>();
-      fence_regs(part[0]);
-      fence_regs(part[1]);
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) fence_regs(part[sub]);
       // Accumulator element 4 j + 2 h + c holds token 8 j + 2 (lane % 4) + c.
       const float* xs =
           reinterpret_cast<const float*>(s_smem + s * S::kSStage) + lead + 2 * (lane & 3);
@@ -306,7 +327,7 @@ __device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[
       for (int j = 0; j < BN / 8; ++j) {
         const float s0 = xs[8 * j] * sw, s1 = xs[8 * j + 1] * sw;
 #pragma unroll
-        for (int sub = 0; sub < 2; ++sub) {
+        for (int sub = 0; sub < kSubs; ++sub) {
           acc[sub][4 * j] = fmaf(part[sub][4 * j], s0, acc[sub][4 * j]);
           acc[sub][4 * j + 1] = fmaf(part[sub][4 * j + 1], s1, acc[sub][4 * j + 1]);
           acc[sub][4 * j + 2] = fmaf(part[sub][4 * j + 2], s0, acc[sub][4 * j + 2]);
@@ -317,8 +338,8 @@ __device__ __forceinline__ int main_loop(float (&acc)[2][BN / 2], float (&part)[
       if (lane == 0) mbar_arrive(&empty[s]);
     } else {
       wgmma_wait<1>();  // the previous step's MMAs are done: release its slot
-      fence_regs(acc[0]);
-      fence_regs(acc[1]);
+#pragma unroll
+      for (int sub = 0; sub < kSubs; ++sub) fence_regs(acc[sub]);
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       prev = s;
     }
@@ -389,20 +410,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   regs_inc<kConsumerRegs>();
   const int consumer = wg - 1;
   uint8_t* stage = epi + consumer * 2 * S::kEpiBuffer;
-  const int col_part = kCoop ? consumer * kBM : 0;  // this consumer's weight rows in the tile
+  const int col_part = kCoop ? consumer * S::kBM : 0;  // this consumer's weight rows in the tile
   int pass = 0;
   // e4m3 per tensor: the product of the two dequantization scales, applied to each finished
   // tile.
   const float scale = Op::kFp8 && !kBlocks ? p.scale_inv[0][0] * p.scale_inv[1][0] : 1.f;
-  float acc[2][BN / 2];
-  float part[2][BN / 2];  // kBlocks: one K block's products
+  float acc[S::kSubs][BN / 2];
+  float part[S::kSubs][BN / 2];  // kBlocks: one K block's products
   for (int i = kCoop ? 0 : consumer; i < local_tiles; i += kCoop ? 1 : 2) {
     const float* ws = nullptr;  // kBlocks: the K blocks' scales of this consumer's weight rows
     int lead = 0;               // kBlocks: the tile's first token in the stage's scales
     if constexpr (kBlocks) {
       int mt, nt;
       tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-      const int block = (mt * S::kTileM + col_part) / kBM;
+      const int block = (mt * S::kTileM + col_part) / kBlockK;
       if (block < p.w_blocks) ws = p.scale_inv[1] + static_cast<int64_t>(block) * p.ws_stride;
       lead = tile_x_row(p, nt, BN) & (kScaleLead - 1);
     }
@@ -414,8 +435,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
     if constexpr (!kBlocks) {
       wgmma_wait<0>();
-      fence_regs(acc[0]);
-      fence_regs(acc[1]);
+#pragma unroll
+      for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(acc[sub]);
       if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[prev]);
     }
     int mt, nt;
@@ -423,11 +444,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int col0 = mt * S::kTileM + col_part;
     if constexpr (Op::kFp8 && !kBlocks) {
 #pragma unroll
-      for (int sub = 0; sub < 2; ++sub)
+      for (int sub = 0; sub < S::kSubs; ++sub)
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[sub][e] *= scale;
     }
-    epilogue<T, BN>(p, acc, col0, nt, stage, consumer, pass);
+    epilogue<T, BN, S::kSubs>(p, acc, col0, nt, stage, consumer, pass);
   }
 #else
   __trap();  // sm_90a only: the launcher refuses other devices

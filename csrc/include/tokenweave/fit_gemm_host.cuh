@@ -42,24 +42,32 @@ constexpr CUtensorMapDataType map_type() {
                                                 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
 }
 
+// A row-major 2-D tensor map: [rows, inner] elements of `type`, rows `row_bytes` apart, moved in
+// boxes of box_inner x box_rows.
+inline bool encode_2d(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t inner,
+                      int64_t rows, int64_t row_bytes, int box_inner, int box_rows,
+                      CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion) {
+  const auto encode = encode_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner),
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, type, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // A row-major [rows, inner] matrix of In whose rows start `pitch` elements apart (a multiple of
 // 16 bytes, at least `inner`), moved in boxes of box_rows x 128 bytes (128-byte swizzle: what
 // smem_desc_k128 and fit::stage_offset describe).
 template <typename In>
 bool make_map(CUtensorMap* map, const void* ptr, int64_t inner, int64_t rows, int64_t pitch,
               int box_rows) {
-  const auto encode = encode_fn();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch) * sizeof(In)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(Operand<In>::kStageK),
-                             static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  return encode(map, map_type<In>(), 2,
-                const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return encode_2d(map, map_type<In>(), ptr, inner, rows, pitch * sizeof(In),
+                   Operand<In>::kStageK, box_rows, CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 // x's block scales [k_blocks, cols] fp32 (ops/fp8_operands.py; cols a multiple of 4, at least x's
@@ -67,16 +75,9 @@ bool make_map(CUtensorMap* map, const void* ptr, int64_t inner, int64_t rows, in
 // zeros).
 inline bool make_scale_map(CUtensorMap* map, const float* ptr, int64_t cols, int64_t k_blocks,
                            int box) {
-  const auto encode = encode_fn();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(k_blocks)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(float)};
-  const cuuint32_t box_dims[2] = {static_cast<cuuint32_t>(box), 1};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides,
-                box_dims, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
-         CUDA_SUCCESS;
+  return encode_2d(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ptr, cols, k_blocks,
+                   cols * static_cast<int64_t>(sizeof(float)), box, 1, CU_TENSOR_MAP_SWIZZLE_NONE,
+                   CU_TENSOR_MAP_L2_PROMOTION_NONE);
 }
 
 // The instantiations: BN = 8 * q for q in kMinBN / 8 .. kMax / 8.
@@ -103,7 +104,8 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
                     const FitGemmParams& p, int bn, int ctas, cudaStream_t stream) {
   CUtensorMap w_map, x_map, s_map{};
   if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
-  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, kCoop ? 2 * kBM : kBM) ||
+  const int tile_m = (kCoop ? 2 : 1) * consumer_rows(bn, kBlocks);
+  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, tile_m) ||
       !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, bn) ||
       (kBlocks && !make_scale_map(&s_map, x_scales, scale_cols,
                                   (p.k + Operand<In>::kStageK - 1) / Operand<In>::kStageK,

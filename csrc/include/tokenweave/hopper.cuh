@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the warp-specialized GEMM (fit_gemm.cuh), beside the
 // mbarrier steps of bulk_copy.cuh: bulk tensor copies (TMA), named barriers, register
 // reallocation, transposing matrix stores and wgmma (bf16, fp16 or e4m3 operands) with any
-// instruction N (a multiple of 8 up to 176: the token extent of a tile is fitted to the call).
+// instruction N (a multiple of 8 up to 208: the token extent of a tile is fitted to the call).
 // Everything here is device code for sm_90a; fit_gemm.cuh compiles it only there.
 #pragma once
 
@@ -111,6 +111,10 @@ __device__ __forceinline__ void fence_regs(float (&d)[kN]) {
 #define TW_ACC_20 TW_ACC_19 ", " "%79, %80, %81, %82"
 #define TW_ACC_21 TW_ACC_20 ", " "%83, %84, %85, %86"
 #define TW_ACC_22 TW_ACC_21 ", " "%87, %88, %89, %90"
+#define TW_ACC_23 TW_ACC_22 ", " "%91, %92, %93, %94"
+#define TW_ACC_24 TW_ACC_23 ", " "%95, %96, %97, %98"
+#define TW_ACC_25 TW_ACC_24 ", " "%99, %100, %101, %102"
+#define TW_ACC_26 TW_ACC_25 ", " "%103, %104, %105, %106"
 #define TW_OUT_1(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
 #define TW_OUT_2(d) TW_OUT_1(d), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
 #define TW_OUT_3(d) TW_OUT_2(d), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
@@ -133,6 +137,10 @@ __device__ __forceinline__ void fence_regs(float (&d)[kN]) {
 #define TW_OUT_20(d) TW_OUT_19(d), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
 #define TW_OUT_21(d) TW_OUT_20(d), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83])
 #define TW_OUT_22(d) TW_OUT_21(d), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+#define TW_OUT_23(d) TW_OUT_22(d), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91])
+#define TW_OUT_24(d) TW_OUT_23(d), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define TW_OUT_25(d) TW_OUT_24(d), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99])
+#define TW_OUT_26(d) TW_OUT_25(d), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103])
 
 // The operands' types of a wgmma (both K-major in shared memory): 16-bit ones take 16 of K per
 // instruction, e4m3 ones 32 (the same 32 bytes of each row).
@@ -187,6 +195,10 @@ TW_WGMMA(19, 152)
 TW_WGMMA(20, 160)
 TW_WGMMA(21, 168)
 TW_WGMMA(22, 176)
+TW_WGMMA(23, 184)
+TW_WGMMA(24, 192)
+TW_WGMMA(25, 200)
+TW_WGMMA(26, 208)
 
 #undef TW_WGMMA
 #undef TW_WGMMA_TYPE
