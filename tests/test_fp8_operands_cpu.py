@@ -309,7 +309,6 @@ def test_woven_fp8_communicating_gemm_equals_the_reference():
         assert len(errors) == 4 and max(errors) <= 1e-5, errors
 
 
-
 def _fit_waves_cost(extent: int, rows: int, hidden: int, ctas: int, cooperative: bool,
                     blocks: bool) -> tuple[int, int]:
     """(waves, waves x weight rows x (extent + FIT_TILE_COST)) of fitted tiles of `extent`

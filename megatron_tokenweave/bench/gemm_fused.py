@@ -182,7 +182,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                          Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
                              fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
                              block_k=triton.tiles.block_k))})
-            if fp8 == "blocks":  # the pick is cooperative: the ping-pong mode at its own extent
+            if fp8 == "blocks":  # the pick is cooperative: ping-pong at its extent (to 208)
                 tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms, False,
                                            max_rows, blocks=True)[1], False, FP8_BLOCK_K, True)
                 other[f"tokenweave_{_tiles_name(tiles)}"] = segments(

@@ -48,7 +48,7 @@ class GemmTiles:
     group_rows: int = 8  # row blocks per group of the tile order (weight tiles reused in L2)
     consumers: int = 1
     fitted: bool = False  # the CUDA kernel with tiles fitted to the call (`fitted_tiles`)
-    cooperative: bool = False  # fitted: both consumers on one tile of 256 weight rows
+    cooperative: bool = False  # fitted: both consumers on one tile (`fit_tile_rows`)
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)

@@ -33,15 +33,15 @@
 //   BN rows, 128 bytes of K each, 128-byte-swizzled K-major rows), each slot with a `full` barrier
 //   (transaction bytes) and an `empty` barrier (the consumer warps' release);
 // - warpgroups 1 and 2, the consumers, each with a kBM x BN fp32 tile part in registers (kBM 128:
-//   two m64nBN wgmma per 32 bytes of K; 64 in blocks past kMaxHalvesBlocksBN tokens, where every
-//   "128 weight rows" below is 64), one wgmma group in flight, each slot released as the next
-//   group is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles c, c + 2, ... of
-//   128 weight rows; their main loops alternate (named barriers 1 and 2: a consumer waits for the
-//   slots of its tile only after the other consumer waited for all of the previous tile's, so
-//   the parity it waits on is its own fill, never an older one), so one consumer's epilogue
-//   runs beside the other's MMAs. kCoop = true ("cooperative"): both take every tile, of 256
-//   weight rows, 128 each: a third fewer operand bytes per MMA through shared memory, the
-//   epilogue not overlapped (measured faster where each CTA has one or two tiles of long K);
+//   two m64nBN wgmma per 32 bytes of K; 64 in blocks past kMaxHalvesBlocksBN tokens, where below
+//   every 128 weight rows are 64 and 256 are 128), one wgmma group in flight, each slot released as
+//   the next group is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles
+//   c, c + 2, ... of 128 weight rows; their main loops alternate (named barriers 1 and 2: a
+//   consumer waits for the slots of its tile only after the other consumer waited for all of the
+//   previous tile's, so the parity it waits on is its own fill, never an older one), so one
+//   consumer's epilogue runs beside the other's MMAs. kCoop = true ("cooperative"): both take every
+//   tile, of 256 weight rows, 128 each: a third fewer operand bytes per MMA through shared memory,
+//   the epilogue not overlapped (measured faster where each CTA has one or two tiles of long K);
 // - the epilogue, per 32 tokens: bias, rounding once, through shared memory into token rows
 //   (stmatrix: the accumulator holds a token's values across lanes), then 16-byte stores of each
 //   valid row into its owner's slot.
