@@ -180,9 +180,8 @@ __device__ __forceinline__ int owner_of(const FitGemmParams& p, int j) {
 // A consumer's kSubs x 64 by BN accumulators (weight columns col0.., token tile nt) into the
 // owners' inboxes: per kEpiTokens tokens, bias and rounding into a staging buffer (stmatrix, token
 // rows), then each thread's 16 bytes of kEpiTokens x kSubs / 16 rows, all loaded before any is
-// stored. Two
-// buffers, so one barrier per pass: a buffer is rewritten two passes later, after every thread
-// passed the barrier between. `pass` counts the consumer's passes over all its tiles. (Measured
+// stored. Two buffers, so one barrier per pass: a buffer is rewritten two passes later, after
+// every thread passed the barrier between. `pass` counts the consumer's passes over all its tiles. (Measured
 // on one H200: faster than handing the staged rows to the copy engine, per row or per 8-row box,
 // whose many small copies cost 2-3x this pass's time.)
 template <typename T, int BN, int kSubs>
