@@ -14,8 +14,8 @@ x's copy timed with the GEMM, as the layer does: ops/gemm_rows.py; `tokenweave_p
 beside it, x padded ahead, outside the timed calls) and, where the fitted kernel runs, the
 kernel the policy did not pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per
 tensor, where the Triton pick is the ping-pong kernel, the one-consumer kernel's best tiles
-too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in the mode it did not pick
-as well (`tokenweave_fit<tokens>[c]`).
+too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in each mode at its own
+extent to FIT_BLOCKS_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`).
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
@@ -182,11 +182,16 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                          Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
                              fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
                              block_k=triton.tiles.block_k))})
-            if fp8 == "blocks":  # the pick is cooperative: ping-pong at its extent (to 208)
-                tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms, False,
-                                           max_rows, blocks=True)[1], False, FP8_BLOCK_K, True)
-                other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
-                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+            if fp8 == "blocks":
+                # the pick is cooperative to FIT_BLOCKS_PICK_MAX_ROWS: each mode at its own
+                # extent to FIT_BLOCKS_MAX_ROWS as well (the cooperative one where it differs)
+                for cooperative in (False, True):
+                    tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms,
+                                               cooperative, max_rows, blocks=True)[1],
+                                      cooperative, FP8_BLOCK_K, True)
+                    if tiles != seg.tiles:
+                        other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
+                            Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(

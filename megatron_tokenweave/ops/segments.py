@@ -183,14 +183,14 @@ def fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
     depend on the extent: a wave's time counts them)."""
     groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
 
-    def waves(extent: int) -> int:
-        m_tiles = -(-hidden // fit_tile_rows(extent, cooperative, blocks))
-        return -(-m_tiles * groups * -(-max(1, rows) // extent) // max(1, ctas))
+    def waves_cost(extent: int) -> tuple[int, int]:
+        tile_rows = fit_tile_rows(extent, cooperative, blocks)
+        m_tiles = -(-hidden // tile_rows)
+        waves = -(-m_tiles * groups * -(-max(1, rows) // extent) // max(1, ctas))
+        return waves, waves * tile_rows * (extent + FIT_TILE_COST)
 
-    extent = min(range(FIT_MIN_ROWS, max_rows + 1, 8),
-                 key=lambda e: (waves(e) * fit_tile_rows(e, cooperative, blocks)
-                                * (e + FIT_TILE_COST), -e))
-    return waves(extent), extent
+    extent = min(range(FIT_MIN_ROWS, max_rows + 1, 8), key=lambda e: (waves_cost(e)[1], -e))
+    return waves_cost(extent)[0], extent
 
 
 def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
