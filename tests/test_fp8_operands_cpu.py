@@ -24,6 +24,7 @@ from megatron_tokenweave.ops.segments import (
     FIT_BLOCKS_HALVES_MAX_ROWS,
     FIT_BLOCKS_MAX_ROWS,
     FIT_BLOCKS_PICK_MAX_ROWS,
+    FIT_BLOCKS_WIDE_MAX_WAVES,
     FIT_FP8_MIN_K,
     FIT_MAX_ROWS,
     FIT_MIN_CALL,
@@ -125,9 +126,10 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
     FIT_FP8_MIN_K in-features where its tiles run its ping-pong mode, but the one-consumer
     tiles over more than FP8_PARTIAL_BOX_MIN_K whose rows are not whole 128-byte boxes apart
     (K = 7392; with or without the fitted kernel, not where its wave rule takes the call);
-    block scales: the fitted kernel's cooperative tiles of at most FIT_BLOCKS_PICK_MAX_ROWS tokens
-    where it runs, else the fastest one-consumer tiles by estimated time; all with K blocks of
-    FP8_BLOCK_K."""
+    block scales: the fitted kernel's cooperative tiles where it runs, of at most
+    FIT_BLOCKS_PICK_MAX_ROWS tokens, or FIT_BLOCKS_MAX_ROWS where those take at most
+    FIT_BLOCKS_WIDE_MAX_WAVES waves and no more than the narrower ones; else the fastest
+    one-consumer tiles by estimated time; all with K blocks of FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
     for rows, (hidden, k, ctas), fitted in itertools.product(
             (1, 7, 129, 513, 777, 1031, 4096, 8192), ((4096, 1792, 132), (8192, 3584, 132),
@@ -150,11 +152,16 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
                                     "fitted" if t.fitted else t.consumers)
             elif fitted:
                 assert t.fitted and t.cooperative
-                assert t.block_rows == fit_pick(layout, world, rows, hidden, ctas, True,
-                                                FIT_BLOCKS_PICK_MAX_ROWS, blocks=True)[1]
-                assert t.block_rows <= FIT_BLOCKS_PICK_MAX_ROWS
+                narrow, wide = (fit_pick(layout, world, rows, hidden, ctas, True, most,
+                                         blocks=True)
+                                for most in (FIT_BLOCKS_PICK_MAX_ROWS, FIT_BLOCKS_MAX_ROWS))
+                take_wide = wide[0] <= FIT_BLOCKS_WIDE_MAX_WAVES and wide[0] <= narrow[0]
+                assert t.block_rows == (wide if take_wide else narrow)[1]
+                assert t.block_rows <= (FIT_BLOCKS_MAX_ROWS if take_wide
+                                        else FIT_BLOCKS_PICK_MAX_ROWS)
                 assert t.block_cols == fit_tile_rows(t.block_rows, True, blocks=True)
-                picked[scaling].add("fitted coop")
+                picked[scaling].add("fitted coop wide" if t.block_rows > FIT_BLOCKS_PICK_MAX_ROWS
+                                    else "fitted coop")
             else:
                 best = min(estimated_time(c, layout, world, rows, hidden, ctas)
                            for c in (LARGE, WIDE, SMALL))
@@ -164,7 +171,8 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
             seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas, fitted=fitted,
                            fp8=scaling)
             assert seg.tiles == t
-    assert len(picked["blocks"]) >= 3 and "fitted coop" in picked["blocks"], picked
+    assert len(picked["blocks"]) >= 4, picked
+    assert {"fitted coop", "fitted coop wide"} <= picked["blocks"], picked
     assert picked["tensor"] == {1, 2, "fitted", "long K", "partial box"}, picked
 
 

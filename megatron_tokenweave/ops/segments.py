@@ -77,8 +77,11 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong pick's 0.87-0.93x; at
 # K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the faster); in blocks
 # ("blocks") the fitted kernel's cooperative mode where it runs, with token extents up to
-# FIT_BLOCKS_PICK_MAX_ROWS (`blocks_tiles`; 1.59x the one-consumer Triton kernel at the median of
-# 414 points, faster at all, the ping-pong mode faster at 19, by 1-6 %, one H100, 2026-12-06,
+# FIT_BLOCKS_PICK_MAX_ROWS, or up to FIT_BLOCKS_MAX_ROWS where those take at most
+# FIT_BLOCKS_WIDE_MAX_WAVES waves and no more than the narrower ones (`blocks_tiles`; 1.59x the
+# one-consumer Triton kernel at the median of 414 points, faster at all, the ping-pong mode
+# faster at 19, by 1-6 %, one H100, 2026-12-06; the wide tiles of one or two waves faster than
+# the narrower pick at 66 of 98 points, 1.03x at the median, one H200, 2026-12-06,
 # docs/results/gemm_fused_1gpu_fp8_blocks.json; calls under 512 tokens not timed), else the
 # one-consumer tiles (the Triton kernels that scale each K block's product before adding it).
 FP8_BLOCK_K = 128
@@ -120,11 +123,13 @@ CONSUMER_RELEASE_MAX_WORK = 2.0
 FIT_MIN_ROWS, FIT_MAX_ROWS = 16, 176
 # e4m3 in blocks a consumer holds two accumulators (fit_gemm.cuh): of 128 weight rows up to
 # FIT_BLOCKS_HALVES_MAX_ROWS tokens, of 64 above it up to FIT_BLOCKS_MAX_ROWS (kMaxBlocksBN).
-# The pick stays within the extents it was measured at, FIT_BLOCKS_PICK_MAX_ROWS (the wider
-# tiles are not timed yet: docs/kernel.md "Speed, in blocks").
+# The pick's extents past FIT_BLOCKS_PICK_MAX_ROWS (64-row consumers) only where their tiles
+# take at most FIT_BLOCKS_WIDE_MAX_WAVES waves: past two waves they ran 0.90-1.00x of the
+# narrower pick's speed at the median per wave count (docs/kernel.md "Speed, in blocks").
 FIT_BLOCKS_HALVES_MAX_ROWS = 104
 FIT_BLOCKS_MAX_ROWS = 208
 FIT_BLOCKS_PICK_MAX_ROWS = 104
+FIT_BLOCKS_WIDE_MAX_WAVES = 2
 FIT_TILE_COST = 16
 FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
@@ -264,13 +269,18 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
 def blocks_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
                  fitted: bool) -> GemmTiles:
     """The tiles of a call with e4m3 operands in blocks (`tiles_for`): the fitted kernel's in
-    its cooperative mode, of token extents up to FIT_BLOCKS_PICK_MAX_ROWS, where it runs (fitted),
-    else the fastest one-consumer tiles by `estimated_time`. Cooperative: its consumers' main
-    loops run at once, so one's scaling of a K block's products runs beside the other's MMAs
-    (ping-pong main loops alternate, the tensor cores idle while a consumer scales)."""
+    its cooperative mode where it runs (fitted), of token extents up to
+    FIT_BLOCKS_PICK_MAX_ROWS, or up to FIT_BLOCKS_MAX_ROWS where those take at most
+    FIT_BLOCKS_WIDE_MAX_WAVES waves and no more than the narrower ones (one or two fuller
+    tiles a CTA); else the fastest one-consumer tiles by `estimated_time`. Cooperative: its
+    consumers' main loops run at once, so one's scaling of a K block's products runs beside the
+    other's MMAs (ping-pong main loops alternate, the tensor cores idle while a consumer
+    scales)."""
     if fitted:
-        tiles = fit_tiles(fit_pick(layout, world, rows, hidden, ctas, True,
-                                   FIT_BLOCKS_PICK_MAX_ROWS, blocks=True)[1], True, blocks=True)
+        narrow, wide = (fit_pick(layout, world, rows, hidden, ctas, True, most, blocks=True)
+                        for most in (FIT_BLOCKS_PICK_MAX_ROWS, FIT_BLOCKS_MAX_ROWS))
+        take_wide = wide[0] <= min(FIT_BLOCKS_WIDE_MAX_WAVES, narrow[0])
+        tiles = fit_tiles((wide if take_wide else narrow)[1], True, blocks=True)
     else:
         tiles = one_consumer_tiles(layout, world, rows, hidden, ctas)
     return replace(tiles, block_k=FP8_BLOCK_K)

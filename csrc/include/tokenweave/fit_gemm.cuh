@@ -42,6 +42,8 @@
 //   consumer's epilogue runs beside the other's MMAs. kCoop = true ("cooperative"): both take every
 //   tile, of 256 weight rows, 128 each: a third fewer operand bytes per MMA through shared memory,
 //   the epilogue not overlapped (measured faster where each CTA has one or two tiles of long K);
+//   in blocks its consumers issue each stage's MMAs in turn (the same named barriers), so one
+//   consumer's scaling of a K block runs beside the other's MMAs;
 // - the epilogue, per 32 tokens: bias, rounding once, through shared memory into token rows
 //   (stmatrix: the accumulator holds a token's values across lanes), then 16-byte stores of each
 //   valid row into its owner's slot.
@@ -274,7 +276,8 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[kS
 // for it: a ping-pong consumer first lets the other one start). kBlocks: each step's MMAs into
 // `part`, waited for, then added into acc scaled by the weight block's scale (`ws`: its K
 // blocks' scales; null past the weight's rows) times each token's (the stage's scales, the
-// tile's first `lead` places in); every slot released here (returns -1).
+// tile's first `lead` places in); every slot released here (returns -1). Cooperative blocks:
+// `consumer` and the CTA's last stage sequence number `last_seq` order the two consumers' issue.
 template <typename In, int BN, bool kCoop, bool kBlocks,
           int kSubs = Shape<BN, kCoop, kBlocks>::kSubs>
 __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
@@ -282,7 +285,8 @@ __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
                                           const uint8_t* a_smem, const uint8_t* b_smem,
                                           const uint8_t* s_smem, uint64_t* full, uint64_t* empty,
                                           int seq0, int k_steps, uint32_t a_part,
-                                          const float* ws, int lead) {
+                                          const float* ws, int lead, int consumer,
+                                          int last_seq) {
   using namespace hopper;
   using S = Shape<BN, kCoop, kBlocks>;
   using Op = Operand<In>;
@@ -300,6 +304,15 @@ __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
     mbar_wait(&full[s], (seq / S::kStages) & 1);
     const uint32_t a0 = smem_addr(a_smem + s * S::kAStage) + a_part;
     const uint32_t b0 = smem_addr(b_smem + s * S::kBStage);
+    // Cooperative blocks: the consumers issue a stage's MMAs in turn (consumer 0 after consumer
+    // 1 issued the stage before, consumer 1 after consumer 0 issued this one), so one
+    // consumer's MMAs run while the other scales its finished ones (without it both waited and
+    // scaled at once: 1.017x faster at the median, docs/kernel.md "Speed, in blocks"). A
+    // barrier's next arrival follows the other consumer's completed wait on it, so two
+    // generations never mix; neither wait holds the producer (a slot is refilled only after
+    // both consumers released it).
+    if constexpr (kBlocks && kCoop)
+      if (consumer == 1 || seq > 0) bar_sync(1 + consumer, 256);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kRowBytes / 32; ++kk) {
@@ -314,6 +327,8 @@ __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
       }
     }
     wgmma_commit();
+    if constexpr (kBlocks && kCoop)
+      if (consumer == 0 || seq < last_seq) bar_arrive(2 - consumer, 256);
     if constexpr (kBlocks) {
       const float sw = ws != nullptr ? __ldg(ws + kt) : 0.f;  // loaded while the MMAs run
       wgmma_wait<0>();
@@ -430,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!kCoop && i > 0) bar_sync(1 + consumer, 256);
     const int prev = main_loop<In, BN, kCoop, kBlocks>(
         acc, part, a_smem, b_smem, s_smem, full, empty, i * k_steps, k_steps,
-        col_part * kRowBytes, ws, lead);
+        col_part * kRowBytes, ws, lead, consumer, local_tiles * k_steps - 1);
     if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
     if constexpr (!kBlocks) {
       wgmma_wait<0>();
