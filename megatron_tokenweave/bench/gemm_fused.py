@@ -183,8 +183,8 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                              fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms),
                              block_k=triton.tiles.block_k))})
             if fp8 == "blocks":
-                # the pick is cooperative to FIT_BLOCKS_PICK_MAX_ROWS: each mode at its own
-                # extent to FIT_BLOCKS_MAX_ROWS as well (the cooperative one where it differs)
+                # the pick is cooperative (`blocks_tiles`): each mode at its own extent to
+                # FIT_BLOCKS_MAX_ROWS as well, where that is not the pick
                 for cooperative in (False, True):
                     tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms,
                                                cooperative, max_rows, blocks=True)[1],
