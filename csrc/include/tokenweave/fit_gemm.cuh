@@ -34,8 +34,9 @@
 //   (transaction bytes) and an `empty` barrier (the consumer warps' release);
 // - warpgroups 1 and 2, the consumers, each with a kBM x BN fp32 tile part in registers (kBM 128:
 //   two m64nBN wgmma per 32 bytes of K; 64 in blocks past kMaxHalvesBlocksBN tokens, where below
-//   every 128 weight rows are 64 and 256 are 128), one wgmma group in flight, each slot released as
-//   the next group is issued. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles
+//   every 128 weight rows are 64 and 256 are 128); 16-bit and per tensor one wgmma group in
+//   flight, each slot released as the next group is issued; in blocks each stage's group waited
+//   for, the slot released after its adds. kCoop = false ("ping-pong"): consumer c takes the CTA's tiles
 //   c, c + 2, ... of 128 weight rows; their main loops alternate (named barriers 1 and 2: a
 //   consumer waits for the slots of its tile only after the other consumer waited for all of the
 //   previous tile's, so the parity it waits on is its own fill, never an older one), so one
