@@ -139,6 +139,11 @@ def _worker(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
+        if backend == "gloo":
+            # gloo connects every pair at init; a rank whose fn returns at once and exits could
+            # close a pair a slower rank is still connecting ("Connection closed by peer"):
+            # no rank goes on before every rank's mesh is up.
+            dist.barrier()
         # Plain pickle copies tensors into the message: torch's queue pickler would share their
         # storage through a file descriptor this process serves, gone once it exits below.
         queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
