@@ -39,7 +39,8 @@ at::Tensor ipc_get_handle(int64_t ptr, int64_t device) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cudaIpcMemHandle_t h;
   TW_CUDA_CHECK(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(ptr)));
-  at::Tensor out = at::empty({static_cast<int64_t>(sizeof(h))}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor out =
+      at::empty({static_cast<int64_t>(sizeof(h))}, at::TensorOptions().dtype(at::kByte));
   std::memcpy(out.data_ptr(), &h, sizeof(h));
   return out;
 }

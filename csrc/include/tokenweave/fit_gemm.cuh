@@ -184,9 +184,9 @@ __device__ __forceinline__ int owner_of(const FitGemmParams& p, int j) {
 // owners' inboxes: per kEpiTokens tokens, bias and rounding into a staging buffer (stmatrix, token
 // rows), then each thread's 16 bytes of kEpiTokens x kSubs / 16 rows, all loaded before any is
 // stored. Two buffers, so one barrier per pass: a buffer is rewritten two passes later, after
-// every thread passed the barrier between. `pass` counts the consumer's passes over all its tiles. (Measured
-// on one H200: faster than handing the staged rows to the copy engine, per row or per 8-row box,
-// whose many small copies cost 2-3x this pass's time.)
+// every thread passed the barrier between. `pass` counts the consumer's passes over all its
+// tiles. (Measured on one H200: faster than handing the staged rows to the copy engine, per row
+// or per 8-row box, whose many small copies cost 2-3x this pass's time.)
 template <typename T, int BN, int kSubs>
 __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[kSubs][BN / 2],
                                          int col0, int nt, uint8_t* stage, int consumer,
