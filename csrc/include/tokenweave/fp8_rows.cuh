@@ -14,6 +14,8 @@
 
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "tokenweave/common.cuh"
 
 // e4m3 conversions are instructions from sm_89 on; below it each would be a long software
@@ -61,12 +63,14 @@ __device__ __forceinline__ float fp8_block_scale(float amax, const Fp8Rows& f) {
 // reciprocal. Power-of-two scales of an amax of biased exponent >= 9 (the blocks that occur)
 // without a division: 448 / (m * 2^e) = (1.75 / m) * 2^(8 - e), whose exponent is 8 - e where
 // m <= 1.75 and 7 - e above it (the quotient rounds to below 1 there: m's spacing, 2^-23, is
-// more than twice the half-spacing of floats below 1), and the reciprocal is exact.
+// more than twice the half-spacing of floats below 1), and the reciprocal is exact. kPow2: the
+// caller knows f.pow2 is set.
+template <bool kPow2>
 __device__ __forceinline__ float2 fp8_block_scales(float amax, const Fp8Rows& f) {
   if (amax < f.amax_eps) amax = f.amax_eps;
   const uint32_t bits = __float_as_uint(amax);
   const uint32_t biased = bits >> 23;  // amax >= 0: no sign bit
-  if (f.pow2 && biased >= 9 && biased < 255) {
+  if (kPow2 && biased >= 9 && biased < 255) {
     const uint32_t k = ((bits & 0x7FFFFFu) <= 0x600000u ? 135u : 134u) - biased;  // 2^k
     return make_float2(__uint_as_float((k + 127u) << 23), __uint_as_float((127u - k) << 23));
   }
@@ -95,21 +99,55 @@ __device__ __forceinline__ Fp8Acc fp8_begin(const Fp8Rows& f) {
   return {f.mode == kFp8TensorScale ? *f.scale : 0.f, 0.f};
 }
 
-// Eight values times `scale`, as e4m3 with saturation, in one 8-byte word.
-__device__ __forceinline__ uint2 fp8_pack8(const float (&x)[8], float scale) {
+// Eight values as e4m3 with saturation, in one 8-byte word.
+__device__ __forceinline__ uint2 fp8_pack8(const float (&x)[8]) {
   uint32_t h[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    h[k] = __nv_cvt_float2_to_fp8x2(make_float2(x[2 * k] * scale, x[2 * k + 1] * scale),
-                                    __NV_SATFINITE, __NV_E4M3);
+    h[k] = __nv_cvt_float2_to_fp8x2(make_float2(x[2 * k], x[2 * k + 1]), __NV_SATFINITE,
+                                    __NV_E4M3);
   return make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
 }
 
-__device__ __forceinline__ float abs_max8(const float (&x)[8]) {
-  float m = 0.f;
+// A vector of T's values times `scale`, as floats. bf16 rows with power-of-two scales (every
+// scale of the blockwise recipe's default): one packed multiply a pair, exact (a power of two
+// from 2^-126 to 2^127 is a bf16, and the products are at most 448 in magnitude; one that
+// underflows is below e4m3's half-spacing at zero either way); else in fp32.
+template <typename T, bool kPow2>
+__device__ __forceinline__ void scaled_vec(float (&x)[8], Vec16 q, float scale) {
+  if constexpr (kPow2 && std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 s2 = __float2bfloat162_rn(scale);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(x[k]));
+    for (int k = 0; k < 4; ++k) {
+      __nv_bfloat162 h = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&q.u[k]), s2);
+      q.u[k] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    set_vec<T>(x, q);
+  } else {
+    set_vec<T>(x, q);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] *= scale;
+  }
+}
+
+// Packed maxima of magnitudes of two words of T pairs (max.xorsign.abs: the result's sign is
+// the product of the operands', dropped at the end by abs_max8).
+template <typename T>
+__device__ __forceinline__ uint32_t max_abs2(uint32_t a, uint32_t b) {
+  uint32_t m;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
+  else
+    asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
   return m;
+}
+
+// max |v| over a vector of T.
+template <typename T>
+__device__ __forceinline__ float abs_max8(const Vec16& q) {
+  const float2 f = Pack<T>::to_float2(
+      max_abs2<T>(max_abs2<T>(q.u[0], q.u[1]), max_abs2<T>(q.u[2], q.u[3])));
+  return fmaxf(fabsf(f.x), fabsf(f.y));
 }
 
 // Tensor scale: this thread's running amax into the quantizer's (every thread of the CTA calls

@@ -104,27 +104,44 @@ __device__ __forceinline__ void emit_normed(Team<kTeams> t, const FusedParams& p
 #else
   uint2* out = reinterpret_cast<uint2*>(static_cast<char*>(p.normed_local) +
                                         static_cast<int64_t>(row) * p.hidden);
+  // The scaling (kMode) and whether every block scale is a power of two (kPow2), decided once
+  // a row, not once a vector.
+  auto quantize = [&](auto mode, auto pow2) {
+    constexpr int kMode = decltype(mode)::value;
+    constexpr bool kPow2 = decltype(pow2)::value;
 #pragma unroll
-  for (int v = 0; v < kVpt; ++v) {
-    if (v * t.size() >= hv) break;  // no thread of the team has vector v
-    const int col = t.tid() + v * t.size();
-    const bool in = col < hv;
-    float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (in) set_vec<T>(x, normalize_vec<T>(y[v], rs, w[v]));
-    const float m = abs_max8(x);
-    if (f.mode == kFp8TensorScale) {
-      acc.amax = fmaxf(acc.amax, m);
-      if (in) out[col] = fp8_pack8(x, acc.scale);
-      continue;
+    for (int v = 0; v < kVpt; ++v) {
+      if (v * t.size() >= hv) break;  // no thread of the team has vector v
+      const int col = t.tid() + v * t.size();
+      const bool in = col < hv;
+      Vec16 q{};  // the rounded values (zeros past the row: no effect on a max of magnitudes)
+      if (in) q = normalize_vec<T>(y[v], rs, w[v]);
+      const float m = abs_max8<T>(q);
+      float x[8];
+      if constexpr (kMode == kFp8TensorScale) {
+        acc.amax = fmaxf(acc.amax, m);
+        scaled_vec<T, false>(x, q, acc.scale);
+        if (in) out[col] = fp8_pack8(x);
+      } else {
+        // A block is 16 consecutive vectors: 16 aligned lanes (team sizes are multiples of 32).
+        const float2 s = fp8_block_scales<kPow2>(half_warp_max(m), f);
+        scaled_vec<T, kPow2>(x, q, s.x);
+        if (in) {
+          out[col] = fp8_pack8(x);
+          if (col % kFp8BlockLanes == 0)
+            f.scale_inv[static_cast<int64_t>(col / kFp8BlockLanes) * f.stride + row] = s.y;
+        }
+      }
     }
-    // A block is 16 consecutive vectors: 16 aligned lanes (a team's size is a multiple of 32).
-    const float2 s = fp8_block_scales(half_warp_max(m), f);
-    if (in) {
-      out[col] = fp8_pack8(x, s.x);
-      if (col % kFp8BlockLanes == 0)
-        f.scale_inv[static_cast<int64_t>(col / kFp8BlockLanes) * f.stride + row] = s.y;
-    }
-  }
+  };
+  using Tensor = std::integral_constant<int, kFp8TensorScale>;
+  using Blocks = std::integral_constant<int, kFp8Blocks>;
+  if (f.mode == kFp8TensorScale)
+    quantize(Tensor{}, std::false_type{});
+  else if (f.pow2)
+    quantize(Blocks{}, std::true_type{});
+  else
+    quantize(Blocks{}, std::false_type{});
 #endif
 }
 
