@@ -142,7 +142,9 @@ __device__ __forceinline__ uint32_t max_abs2(uint32_t a, uint32_t b) {
   return m;
 }
 
-// max |v| over a vector of T.
+// max |v| over a vector of T. NaNs are skipped as fmaxf skips them, except in a vector of eight
+// NaNs, whose max is NaN: its block then takes the scale 1 (a NaN amax's), as a block of NaNs
+// does (the values are NaN either way).
 template <typename T>
 __device__ __forceinline__ float abs_max8(const Vec16& q) {
   const float2 f = Pack<T>::to_float2(
