@@ -175,9 +175,9 @@ def test_fused_op_writes_fp8_rows_on_the_reference_mechanisms():
 
 def test_power_of_two_scaling_in_bf16_is_exact():
     """The CUDA kernels scale bf16 rows by a power-of-two block scale with one packed bf16
-    multiply (fp8_rows.cuh, scaled_vec), not in fp32: the same e4m3 bytes for every finite bf16
-    value and every power-of-two scale that keeps it within +-448 (a block's scale is at most
-    448 / its amax), exhaustively."""
+    multiply (fp8_rows.cuh, scaled_pow2_bf16), not in fp32: the same e4m3 bytes for every finite
+    bf16 value and every power-of-two scale that keeps it within +-448 (a block's scale is at
+    most 448 / its amax), exhaustively."""
     x = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x[torch.isfinite(x)]
     for k in range(-126, 128):
@@ -186,3 +186,24 @@ def test_power_of_two_scaling_in_bf16_is_exact():
         in_fp32 = _to_e4m3(xs.float() * scale)
         in_bf16 = _to_e4m3((xs * torch.tensor(scale, dtype=torch.bfloat16)).float())
         assert torch.equal(in_fp32.view(torch.uint8), in_bf16.view(torch.uint8)), k
+
+
+def test_packed_power_of_two_block_scales_match_the_reference():
+    """fp8_rows.cuh's fp8_block_scales2 computes the power-of-two scales of two bf16 block amaxes
+    on their 16-bit fields at once (no division): t = (amax + 0x1F) & 0xFF80 per half, scale =
+    the bf16 of bits 0x8300 - t, scale_inv = the float of bits (t - 0x400) << 16, for every amax
+    in [2^-118, largest finite]. The same scales and reciprocals as block_scales (TE's rule) for
+    every such bf16 amax, exhaustively, and packed two to a word without carries between halves."""
+    bits = torch.arange(0x480, 0x7F80, dtype=torch.int32)  # 2^-118 .. largest finite bf16
+    amax = (bits << 16).view(torch.float32)
+    want = block_scales(amax, 0.0, True, torch.bfloat16)
+    t = (bits + 0x1F) & 0xFF80
+    scale = ((0x8300 - t) << 16).view(torch.float32)
+    inv = ((t - 0x400) << 16).view(torch.float32)
+    assert torch.equal(scale, want)
+    assert torch.equal(inv, torch.reciprocal(want))
+    lo, hi = bits, bits.flip(0)  # every amax beside another one, as one 32-bit word
+    t2 = ((hi.to(torch.int64) << 16 | lo) + 0x001F001F) & 0xFF80FF80
+    scales2 = 0x83008300 - t2
+    assert torch.equal(scales2 & 0xFFFF, (0x8300 - t).to(torch.int64))
+    assert torch.equal(scales2 >> 16, (0x8300 - t.flip(0)).to(torch.int64))

@@ -8,7 +8,8 @@ quantization (Fp8Rows.quantize) of the first call's normed rows, and, where Tran
 imports, TE's own quantizer's output on those rows; residual_out must equal the first call's.
 Outputs are poisoned first (NaN bytes, NaN scales), so unwritten rows show. Every replicated data
 path: one-shot, pull-all (bulk copies), registers, two-shot (TP 4), the copy engine whole and
-phased; bf16 and fp16; odd token counts; and a CUDA-graph replay on new inputs.
+phased; bf16 and fp16; odd token counts; a hidden size whose CTA has lanes past the row; blocks
+of zeros and of tiny magnitudes (the scales' slow paths); and a CUDA-graph replay on new inputs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ os.environ.update(NO_MULTICAST_ENV)
 
 EPS = 1e-5
 TOKENS = (1, 7, 129, 1000, 2053)
-HIDDENS = (3584, 4096, 5120)  # 3584: a CTA rounded up to whole warps per team
+HIDDENS = (1152, 3584, 4096, 5120)  # 1152: lanes past the row (192 threads, 144 vectors)
 SETTINGS = {"default": {}, "pullall": {"oneshot": False, "twoshot": False},
             "registers": {"bulk": False, "oneshot": False, "twoshot": False}}
 PATHS = ("default", "pullall", "registers", "copy_engine", "phased")
@@ -39,6 +40,25 @@ def _gen(seed: int, shape, dtype, dev) -> torch.Tensor:
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+
+def _special_blocks(partial: torch.Tensor, residual: torch.Tensor) -> None:
+    """Blocks whose scale is not the common case, the same on every rank: row 0's second block
+    of 128 columns all zero (scale 1); in bf16 also row 1's third block and row 2's fourth with
+    magnitudes in [1, 2] x 2.5e-36 and 1e-37 before the norm (amaxes about 2^-118 and below:
+    scales above 2^126, subnormal reciprocals; 448 / amax finite in row 1, overflowing in row 2),
+    no element subnormal (the kernels flush those: docs/design.md)."""
+    n = residual.shape[0]
+    if n < 3:
+        return
+    partial[0, 0, 128:256] = 0
+    residual[0, 128:256] = 0
+    if residual.dtype != torch.bfloat16:
+        return
+    for row, lo, mag in ((1, 256, 2.5e-36), (2, 384, 1e-37)):
+        partial[0, row, lo:lo + 128] = 0
+        block = residual[row, lo:lo + 128].float()
+        residual[row, lo:lo + 128] = block.sign() * (1 + block.abs().clamp(max=1)) * mag
 
 
 def _fp8_rows(scaling: str, n: int, hidden: int, dev):
@@ -146,6 +166,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         partial_in = _gen(seed * 8 + rank, (1, n, hidden), dtype, dev)
         residual = _gen(seed * 8 + 7, (n, hidden), dtype, dev)
         weight = (1.0 + 0.1 * _gen(seed * 8 + 6, (hidden,), dtype, dev)).to(dtype)
+        _special_blocks(partial_in, residual)
         part.copy_(partial_in)
         res_t = torch.full_like(residual, float("nan"))
         normed_t = torch.full((1, n, hidden), float("nan"), dtype=dtype, device=dev)
@@ -168,6 +189,10 @@ def _worker(rank: int, world: int, port: int) -> None:
                 _same_bits(sinv, te_sinv, f"{what}: scale_inv against TE's quantizer")
                 te_checked += 1
             ref = _reference_of(rows, normed_t[0])
+            if rows.blocks and n >= 3:  # the special blocks are what they are meant to be
+                assert ref.scale_inv[1, 0].item() == 1.0, f"{what}: zero block"
+                if dtype == torch.bfloat16:
+                    assert ref.scale_inv[2:4, 1:3].diagonal().max().item() < 2.0 ** -120, what
             _same_bits(rows.data, ref.data, f"{what}: FP8 rows")
             if rows.blocks:
                 _same_bits(rows.scale_inv[:, :n], ref.scale_inv[:, :n], f"{what}: scale_inv")

@@ -104,44 +104,60 @@ __device__ __forceinline__ void emit_normed(Team<kTeams> t, const FusedParams& p
 #else
   uint2* out = reinterpret_cast<uint2*>(static_cast<char*>(p.normed_local) +
                                         static_cast<int64_t>(row) * p.hidden);
-  // The scaling (kMode) and whether every block scale is a power of two (kPow2), decided once
-  // a row, not once a vector.
-  auto quantize = [&](auto mode, auto pow2) {
-    constexpr int kMode = decltype(mode)::value;
+  // One known scale: every vector scaled in fp32, its magnitudes into the running amax.
+  auto tensor_scaled = [&]() {
+    for_each_vec<kVpt>(t, hv, [&](int v, int col) {
+      const Vec16 q = normalize_vec<T>(y[v], rs, w[v]);
+      acc.amax2 = max_abs2<T>(acc.amax2, vec_max_abs2<T>(q));
+      float x[8];
+      scaled_vec<T>(x, q, acc.scale);
+      out[col] = fp8_pack8(x);
+    });
+  };
+  // 1 x 128 blocks, whether every scale is a power of two (kPow2) decided once a row. A block
+  // is 16 consecutive vectors: 16 aligned lanes (team sizes are multiples of 32). Vectors v and
+  // v + 1 of a thread (two blocks) go together: their amaxes one word, one half-warp reduction.
+  auto blocks = [&](auto pow2) {
     constexpr bool kPow2 = decltype(pow2)::value;
 #pragma unroll
-    for (int v = 0; v < kVpt; ++v) {
+    for (int v = 0; v < kVpt; v += 2) {
       if (v * t.size() >= hv) break;  // no thread of the team has vector v
-      const int col = t.tid() + v * t.size();
-      const bool in = col < hv;
-      Vec16 q{};  // the rounded values (zeros past the row: no effect on a max of magnitudes)
-      if (in) q = normalize_vec<T>(y[v], rs, w[v]);
-      const float m = abs_max8<T>(q);
-      float x[8];
-      if constexpr (kMode == kFp8TensorScale) {
-        acc.amax = fmaxf(acc.amax, m);
-        scaled_vec<T, false>(x, q, acc.scale);
-        if (in) out[col] = fp8_pack8(x);
-      } else {
-        // A block is 16 consecutive vectors: 16 aligned lanes (team sizes are multiples of 32).
-        const float2 s = fp8_block_scales<kPow2>(half_warp_max(m), f);
-        scaled_vec<T, kPow2>(x, q, s.x);
-        if (in) {
-          out[col] = fp8_pack8(x);
-          if (col % kFp8BlockLanes == 0)
-            f.scale_inv[static_cast<int64_t>(col / kFp8BlockLanes) * f.stride + row] = s.y;
-        }
+      Vec16 q[2] = {};  // the rounded values
+      int col[2];
+      bool in[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int vj = v + j < kVpt ? v + j : v;  // an odd kVpt: the last pair's second is none
+        col[j] = t.tid() + (v + j) * t.size();
+        in[j] = v + j < kVpt && col[j] < hv;
+        if (in[j]) q[j] = normalize_vec<T>(y[vj], rs, w[vj]);
+      }
+      // A second vector that is none (an odd kVpt, or past the row: a whole block of 16 lanes,
+      // as hidden is a multiple of 128) takes the first's values: its amax, never stored, then
+      // keeps the pair on the packed scales' path, which a zero amax would leave.
+      if (!in[1]) q[1] = q[0];
+      const BlockScales2 s =
+          fp8_block_scales2<T, kPow2>(half_warp_max2<T>(pair_max_abs<T>(q[0], q[1])), f);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (!in[j]) continue;
+        float x[8];
+        if constexpr (kPow2 && std::is_same_v<T, __nv_bfloat16>)
+          scaled_pow2_bf16(x, q[j], s.pair[j]);
+        else
+          scaled_vec<T>(x, q[j], s.scale[j]);
+        out[col[j]] = fp8_pack8(x);
+        if (col[j] % kFp8BlockLanes == 0)
+          f.scale_inv[static_cast<int64_t>(col[j] / kFp8BlockLanes) * f.stride + row] = s.inv[j];
       }
     }
   };
-  using Tensor = std::integral_constant<int, kFp8TensorScale>;
-  using Blocks = std::integral_constant<int, kFp8Blocks>;
   if (f.mode == kFp8TensorScale)
-    quantize(Tensor{}, std::false_type{});
-  else if (f.pow2)
-    quantize(Blocks{}, std::true_type{});
+    tensor_scaled();
+  else if (f.pow2 && f.amax_eps == 0.f)
+    blocks(std::true_type{});
   else
-    quantize(Blocks{}, std::false_type{});
+    blocks(std::false_type{});
 #endif
 }
 
@@ -324,7 +340,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                            });
     }
   }
-  fp8_end(p.fp8, acc);
+  fp8_end<T>(p.fp8, acc);
 
   if (!p.copy_engine &&
       !cta_barrier<true>(pad_bases, p.rank, world, b, e, 0u, p.timeout_ns, &s_fail))
@@ -479,7 +495,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   if constexpr (kTeams == 1)
     if (prev >= 0) emit(prev, y_prev, rs_prev);
-  fp8_end(p.fp8, acc);
+  fp8_end<T>(p.fp8, acc);
 
   if (!p.copy_engine &&
       !cta_barrier<true>(pad_bases, p.rank, world, b, e, 0u, p.timeout_ns, &s_fail))

@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       reinterpret_cast<Vec16*>(static_cast<char*>(p.normed_local) + row * row_bytes)[col] = o;
     });
   }
-  fp8_end(p.fp8, acc);
+  fp8_end<T>(p.fp8, acc);
 
   // 5. reset the previous round's buffer of my own header: its rows and its tag slots.
   const int prev = static_cast<int>((r % kOneShotRounds + kOneShotRounds - 1) % kOneShotRounds);

@@ -116,7 +116,7 @@ __device__ __forceinline__ void normalize_chunk_rows(const FusedParams& p, const
   }
   if constexpr (kTeams == 1)
     if (prev >= 0) emit(prev, y_prev, rs_prev);
-  fp8_end(p.fp8, acc);
+  fp8_end<T>(p.fp8, acc);
 }
 
 template <typename T, int kNp, int kVpt>
@@ -170,7 +170,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // 4. all rows of this CTA: residual_out and the norm, locally.
-  normalize_chunk_rows<T, kVpt>(p, data[p.rank] + p.partial_off, chunk_rows);
+  // The own partial from the bases, not data[p.rank]: a runtime index would put data[] in
+  // local memory, read back on every row of the reduce-scatter.
+  normalize_chunk_rows<T, kVpt>(p, reinterpret_cast<char*>(p.bases[p.rank]) + p.partial_off,
+                                chunk_rows);
 }
 
 }  // namespace tokenweave
