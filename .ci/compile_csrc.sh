@@ -7,9 +7,10 @@
 # object compiles) of the sources in PTX_NEEDS must hold the instructions named there: the
 # multimem code's multimem.ld_reduce and multimem.st, the fitted GEMM's e4m3 wgmma of depth 32
 # (per tensor at its largest token extent, 176; in blocks at the largest of each consumer form,
-# 104 with 128 weight rows a consumer and 208 with 64). A register spill in the fitted GEMM's
-# sources is a failure; elsewhere a note (the fused op's kernels of 4 and 8 vectors a thread,
-# for hidden sizes over 8192, spill today).
+# 104 with 128 weight rows a consumer and 208 with 64; with the tokens as M at its smallest and
+# largest weight extents, 64 and 208, and the stmatrix that stages its rows as they are). A
+# register spill in the fitted GEMM's sources is a failure; elsewhere a note (the fused op's
+# kernels of 4 and 8 vectors a thread, for hidden sizes over 8192, spill today).
 # Exits non-zero on any failure.
 # Usage: .ci/compile_csrc.sh [--print-flags] [build_dir]   (env: PYTHON, NVCC)
 #   --print-flags: print the nvcc flags, one per line, and exit (compiles nothing).
@@ -58,6 +59,7 @@ declare -A PTX_NEEDS=(
   [csrc/launch_multimem.cu]="multimem.ld_reduce multimem.st"
   [csrc/launch_fit_gemm_e4m3_bf16.cu]="wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3"
   [csrc/launch_fit_gemm_e4m3_blocks_bf16.cu]="wgmma.mma_async.sync.aligned.m64n104k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3"
+  [csrc/launch_fit_gemm_e4m3_blocks_tokens_m_bf16.cu]="wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3 stmatrix.sync.aligned.m8n8.x4.shared.b16"
 )
 # One nvcc per source, as many at once as there are cores (the kernel families' files are
 # separate translation units for this: csrc/launch.cuh).

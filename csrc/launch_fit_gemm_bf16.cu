@@ -4,4 +4,4 @@
 #define TOKENWEAVE_FIT_INSTANTIATE
 #include "tokenweave/fit_gemm_host.cuh"
 
-TOKENWEAVE_FIT_LAUNCHERS(, __nv_bfloat16, __nv_bfloat16, false);
+TOKENWEAVE_FIT_LAUNCHERS(, __nv_bfloat16, __nv_bfloat16, false, false);

@@ -5,4 +5,4 @@
 #define TOKENWEAVE_FIT_INSTANTIATE
 #include "tokenweave/fit_gemm_host.cuh"
 
-TOKENWEAVE_FIT_LAUNCHERS(, __half, __nv_fp8_e4m3, true);
+TOKENWEAVE_FIT_LAUNCHERS(, __half, __nv_fp8_e4m3, true, false);

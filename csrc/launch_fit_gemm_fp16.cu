@@ -4,4 +4,4 @@
 #define TOKENWEAVE_FIT_INSTANTIATE
 #include "tokenweave/fit_gemm_host.cuh"
 
-TOKENWEAVE_FIT_LAUNCHERS(, __half, __half, false);
+TOKENWEAVE_FIT_LAUNCHERS(, __half, __half, false, false);

@@ -623,7 +623,9 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // The fitted communicating GEMM: partial rows of x [rows, K] @ weight [n_out, K]^T (+ bias on
 // one rank) into every owner's inbox slot. `regions`: each rank's inbox region as this rank maps
 // it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
-// slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start].
+// slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start,
+// weight_rows] (weight_rows: 0, or with the tokens as the MMA's M, e4m3 in blocks, the tiles'
+// weight rows, block_rows then 64 tokens a consumer).
 // bf16/fp16 operands: `scales` empty, rows of x's dtype (out_dtype none or that). e4m3 operands
 // (ops/fp8_operands.py): `scales` = [x's, the weight's scale_inv], per tensor one float32 each,
 // in blocks x's [ceil(K / 128), cols] (cols a multiple of 4, at least x's rows) and the
@@ -665,8 +667,10 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
              "x's has ", xs.dim(), " dims and the weight's ", ws.dim());
     // x's scales are a TMA operand: its base address must be 16-byte aligned.
     check_aligned(xs, "fit_gemm: x's block-scale tensor");
+    // (The kernel's offsets into either are 32-bit.)
     TW_CHECK(xs.size(0) == kb && xs.size(1) % 4 == 0 && xs.size(1) >= x.size(0) &&
-                 ws.size(0) == nb && ws.size(1) >= kb,
+                 ws.size(0) == nb && ws.size(1) >= kb && xs.numel() < (int64_t{1} << 31) &&
+                 ws.numel() < (int64_t{1} << 31),
              "tokenweave: fit_gemm: block scales must be x's [", kb, ", a multiple of 4 >= ",
              x.size(0), "] and the weight's [", nb, ", >= ", kb, "], got [", xs.size(0), ", ",
              xs.size(1), "] and [", ws.size(0), ", ", ws.size(1), "]");
@@ -700,9 +704,9 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   TW_CHECK(major == 9 && minor == 0, "tokenweave: fit_gemm needs an sm_90 GPU (wgmma, TMA), "
            "this one is sm_", major, minor);
-  TW_CHECK(geometry.size() == 12, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
+  TW_CHECK(geometry.size() == 13, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
            "slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, "
-           "cooperative, start], got ", geometry.size(), " entries");
+           "cooperative, start, weight_rows], got ", geometry.size(), " entries");
   const int64_t world = static_cast<int64_t>(regions.size());
   TW_CHECK(world >= 1 && world <= kMaxRanks, "tokenweave: fit_gemm takes 1..", kMaxRanks,
            " inbox regions, got ", world);
@@ -710,6 +714,8 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   const int64_t row0 = geometry[3], first = geometry[4], step = geometry[5];
   const int64_t groups = geometry[6], group_rows = geometry[7], seg_rows = geometry[8];
   const int64_t bn = geometry[9], coop = geometry[10], start = geometry[11];
+  const int64_t weight_rows = geometry[12];
+  const bool tokens_m = weight_rows != 0;
   TW_CHECK(rank >= 0 && rank < world && slots_off >= 0 && slot_rows > 0,
            "tokenweave: fit_gemm: rank ", rank, " of ", world, ", slots at ", slots_off,
            " of ", slot_rows, " rows");
@@ -724,11 +730,24 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
            " groups ", step, " apart exceed x's ", x.size(0), " rows");
   TW_CHECK(row0 >= 0 && row0 + seg_rows <= slot_rows, "tokenweave: fit_gemm: inbox rows [",
            row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
-  const int max_bn = blocks ? fit::kMaxBlocksBN : fit::kMaxBN;
-  TW_CHECK(bn >= fit::kMinBN && bn <= max_bn && bn % 8 == 0,
-           "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
-           max_bn, blocks ? " (block scales)" : "", ", got ", bn);
   TW_CHECK(coop == 0 || coop == 1, "tokenweave: fit_gemm: cooperative must be 0 or 1");
+  if (tokens_m) {
+    // A tile's 64 or 128 token rows may reach past its group's and x's rows: x's tensor map ends
+    // at x's rows (the copy engine fills zeros past them), the x scales past their columns are
+    // read from the last one, and such rows are never stored, so x needs no extra rows.
+    TW_CHECK(blocks && weight_rows > 0 && weight_rows <= fit::kMaxBlocksBN &&
+                 fit::one_of(static_cast<int>(weight_rows), fit::TokensMExtents{}) &&
+                 bn == fit::kHalfM * (coop + 1),
+             "tokenweave: fit_gemm: the tokens as M take e4m3 operands in blocks, weight_rows "
+             "64, 96, 128, 144, 160, 176, 192 or 208 and block_rows 64 (ping-pong) or 128 "
+             "(cooperative); got weight_rows ", weight_rows, ", block_rows ", bn,
+             blocks ? "" : ", no block scales");
+  } else {
+    const int max_bn = blocks ? fit::kMaxBlocksBN : fit::kMaxBN;
+    TW_CHECK(bn >= fit::kMinBN && bn <= max_bn && bn % 8 == 0,
+             "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
+             max_bn, blocks ? " (block scales)" : "", ", got ", bn);
+  }
   TW_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
   TW_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *
                n_out < (int64_t{1} << 40), "tokenweave: fit_gemm: too many rows");
@@ -743,6 +762,7 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   if (blocks) {
     p.ws_stride = static_cast<int>(scales[1].size(1));
     p.w_blocks = static_cast<int>(scales[1].size(0));
+    p.xs_stride = static_cast<int>(scales[0].size(1));
   }
   p.n_out = static_cast<int>(n_out);
   p.k = static_cast<int>(k);
@@ -756,36 +776,42 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   p.seg_rows = static_cast<int>(seg_rows);
   p.inv_seg_rows = 1.0f / static_cast<float>(seg_rows);
   p.group_tiles = static_cast<int>((group_rows + bn - 1) / bn);
-  const int tile_m = (coop ? 2 : 1) * fit::consumer_rows(static_cast<int>(bn), blocks);
-  p.m_tiles = static_cast<int>((n_out + tile_m - 1) / tile_m);
+  const int64_t tile_w =
+      tokens_m ? weight_rows : (coop ? 2 : 1) * fit::consumer_rows(static_cast<int>(bn), blocks);
+  p.m_tiles = static_cast<int>((n_out + tile_w - 1) / tile_w);
   p.tiles = p.m_tiles * p.groups * p.group_tiles;
   p.start = static_cast<int>(start % (p.groups * p.group_tiles));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const int b = static_cast<int>(bn), g = static_cast<int>(ctas);
+  // The instantiation's BN: the tiles' tokens, or with the tokens as M their weight rows.
+  const int b = static_cast<int>(tokens_m ? weight_rows : bn), g = static_cast<int>(ctas);
   const float* x_scales = blocks ? scales[0].data_ptr<float>() : nullptr;
   const int64_t scale_cols = blocks ? scales[0].size(1) : 0;
-  // The instantiation of the rows' type T, the operands' In and their scaling, in the call's
-  // mode.
-  const auto run = [&](auto t, auto o, auto blocks_c) {
+  // The instantiation of the rows' type T, the operands' In, their scaling and layout, in the
+  // call's mode.
+  const auto run = [&](auto t, auto o, auto blocks_c, auto tokens_m_c) {
     using T = decltype(t);
     using In = decltype(o);
     constexpr bool kBlocks = decltype(blocks_c)::value;
+    constexpr bool kTokensM = decltype(tokens_m_c)::value;
     const auto go = [&](auto coop_c) {
-      return fit::launch<T, In, decltype(coop_c)::value, kBlocks>(
+      return fit::launch<T, In, decltype(coop_c)::value, kBlocks, kTokensM>(
           x.data_ptr(), x.size(0), x.stride(0), weight.data_ptr(), weight.stride(0), x_scales,
           scale_cols, p, b, g, stream);
     };
     return coop ? go(std::true_type{}) : go(std::false_type{});
   };
   const bool bf16 = dt == at::kBFloat16;
+  const std::false_type no;
   const auto e4m3 = [&](auto t) {
-    return blocks ? run(t, __nv_fp8_e4m3{}, std::true_type{})
-                  : run(t, __nv_fp8_e4m3{}, std::false_type{});
+    const __nv_fp8_e4m3 o{};
+    return !blocks ? run(t, o, no, no)
+                   : (tokens_m ? run(t, o, std::true_type{}, std::true_type{})
+                               : run(t, o, std::true_type{}, no));
   };
   const fit::LaunchStatus status =
       fp8 ? (bf16 ? e4m3(__nv_bfloat16{}) : e4m3(__half{}))
-          : (bf16 ? run(__nv_bfloat16{}, __nv_bfloat16{}, std::false_type{})
-                  : run(__half{}, __half{}, std::false_type{}));
+          : (bf16 ? run(__nv_bfloat16{}, __nv_bfloat16{}, no, no)
+                  : run(__half{}, __half{}, no, no));
   TW_CHECK(status != fit::LaunchStatus::kNoDriverEntry,
            "tokenweave: fit_gemm: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver)");
   TW_CHECK(status != fit::LaunchStatus::kTensorMap,

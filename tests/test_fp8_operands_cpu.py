@@ -30,6 +30,8 @@ from megatron_tokenweave.ops.segments import (
     FIT_MIN_CALL,
     FIT_MIN_ROWS,
     FIT_TILE_COST,
+    FIT_TOKENS_M_EXTENTS,
+    FIT_TOKENS_M_ROWS,
     FP8_BLOCK_K,
     FP8_PARTIAL_BOX_MIN_K,
     FP8_SCALINGS,
@@ -143,7 +145,7 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
         long_k = long and not partial_box and k > FIT_FP8_MIN_K and not fit.cooperative
         for scaling in FP8_SCALINGS:
             t = tiles_for(layout, world, rows, hidden, k, ctas, fitted=fitted, fp8=scaling)
-            assert t.block_k == FP8_BLOCK_K
+            assert t.block_k == FP8_BLOCK_K and not t.tokens_m  # built, not measured: not picked
             if scaling == "tensor":
                 want = (one_consumer_tiles(layout, world, rows, hidden, ctas) if partial_box
                         else fit if long_k else sixteen)
@@ -351,3 +353,30 @@ def test_fitted_tiles_in_blocks_take_64_weight_rows_a_consumer_past_104_tokens(c
         assert waves == costs[extent][0]
         if not blocks:  # one tile height: the same extent as waves x (extent + cost) alone
             assert extent == min(extents, key=lambda e: (costs[e][0] * (e + FIT_TILE_COST), -e))
+
+
+@pytest.mark.parametrize("layout", [Layout.REPLICATED, Layout.SEQUENCE_PARALLEL])
+def test_tokens_as_m_tiles(layout):
+    """fit_tiles(tokens_m=True), e4m3 in blocks only: FIT_TOKENS_M_ROWS tokens a consumer (a
+    tile of both consumers' cooperative), the extent the tiles' weight rows, one of
+    FIT_TOKENS_M_EXTENTS; the geometry names that extent last (0 for the other layout) and
+    counts the token tiles and the first one (segment rank + 1's) in tiles of 64 or 128."""
+    world, rows, hidden = 4, 1031, 8192
+    for extent, cooperative in itertools.product(FIT_TOKENS_M_EXTENTS, (False, True)):
+        t = fit_tiles(extent, cooperative, FP8_BLOCK_K, blocks=True, tokens_m=True)
+        tokens = FIT_TOKENS_M_ROWS * (2 if cooperative else 1)
+        assert (t.block_rows, t.block_cols, t.block_k) == (tokens, extent, FP8_BLOCK_K)
+        assert t.fitted and t.tokens_m and t.cooperative == cooperative and t.consumers == 2
+        seg = segments(layout, world, rows, hidden=hidden, k=3696, ctas=132, tiles=t,
+                       fp8="blocks")
+        assert seg.release == "consumer"
+        geo = seg.fitted_geometry(256, 2, 4000, world)
+        assert len(geo) == 13 and geo[9:11] == [tokens, int(cooperative)] and geo[12] == extent
+        if layout is Layout.SEQUENCE_PARALLEL:  # group 3's first tile
+            assert geo[11] == 3 * -(-rows // tokens)
+        else:  # the tile holding segment 3's first row
+            assert geo[11] * tokens <= 3 * seg.rows < (geo[11] + 1) * tokens
+    assert fit_tiles(104, True, FP8_BLOCK_K, blocks=True).tokens_m is False
+    for extent, blocks in ((200, True), (256, True), (56, True), (128, False)):
+        with pytest.raises(TokenWeaveInputError, match="tokens as M"):
+            fit_tiles(extent, True, FP8_BLOCK_K, blocks=blocks, tokens_m=True)

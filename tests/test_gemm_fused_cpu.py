@@ -32,6 +32,7 @@ from megatron_tokenweave.ops.segments import (
     FIT_MIN_CALL,
     FIT_MIN_ROWS,
     FIT_TILE_COST,
+    FP8_BLOCK_K,
     LARGE,
     MIN_BLOCK_ROWS,
     PINGPONG,
@@ -43,6 +44,7 @@ from megatron_tokenweave.ops.segments import (
     TILES,
     WIDE,
     estimated_time,
+    fit_tiles,
     fits_long_k,
     fitted_tiles,
     half_segments,
@@ -367,7 +369,7 @@ def test_fitted_segments_are_released_by_their_consumer(layout):
     sp = layout is Layout.SEQUENCE_PARALLEL
     groups, group_rows = (world, rows) if sp else (1, rows)
     assert geo[:9] == [256, 2, 4000, seg.row0, seg.first, seg.step, groups, group_rows, seg.rows]
-    assert geo[9:11] == [t.block_rows, int(t.cooperative)]
+    assert geo[9:11] == [t.block_rows, int(t.cooperative)] and geo[12] == 0 and len(geo) == 13
     if sp:  # group 3's first tile
         assert geo[11] == 3 * -(-rows // t.block_rows)
     else:  # the tile holding segment 3's first row
@@ -623,7 +625,8 @@ def test_fitted_launcher_refuses_bad_input():
     rows of bf16/fp16; 2-D, rows contiguous and a multiple of 16 bytes apart (padded rows
     taken); 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
     bias [N] of the rows' dtype; 16-byte starts; token extents in its range, a smaller one for
-    e4m3 in blocks; rows inside x and the slot)."""
+    e4m3 in blocks; the tokens as M in blocks only, at its weight extents and 64 tokens a
+    consumer; rows inside x and the slot)."""
     from dataclasses import replace
 
     from megatron_tokenweave.kernels.owner_gemm import check_fitted_gemm
@@ -636,6 +639,8 @@ def test_fitted_launcher_refuses_bad_input():
     fp8 = dict(x=x.to(e4m3), w=w.to(e4m3), fp8="tensor", out=torch.bfloat16)
     base = dict(x=x, w=w, bias=None, seg=seg, fp8=None, out=None)
     blocks = fp8 | dict(fp8="blocks", seg=replace(seg, tiles=replace(tiles, block_rows=208)))
+    tokens_m = fit_tiles(208, True, FP8_BLOCK_K, blocks=True, tokens_m=True)
+    blocks_m = blocks | dict(seg=replace(seg, tiles=tokens_m))
 
     def check(args: dict) -> None:
         check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
@@ -645,6 +650,9 @@ def test_fitted_launcher_refuses_bad_input():
     check(base | dict(x=torch.randn(300, 264, dtype=torch.bfloat16)[:, :256]))
     check(base | fp8 | dict(bias=torch.randn(512, dtype=torch.bfloat16)))
     check(base | blocks)
+    check(base | blocks_m)
+    check(base | blocks_m | dict(seg=replace(seg, tiles=replace(tokens_m, cooperative=False,
+                                                                 block_rows=64))))
     bad = [
         (dict(x=x.float()), "bf16 or fp16"),
         (dict(bias=torch.randn(512, dtype=torch.float16)), "of one dtype"),
@@ -667,6 +675,12 @@ def test_fitted_launcher_refuses_bad_input():
          "K a multiple of 16"),
         (blocks | dict(seg=replace(seg, tiles=replace(tiles, block_rows=216))),
          r"16\.\.208 \(block scales\)"),
+        (fp8 | dict(seg=blocks_m["seg"]), "tokens as M take e4m3 operands in blocks"),
+        (dict(seg=blocks_m["seg"]), "tokens as M take e4m3 operands in blocks"),
+        (blocks_m | dict(seg=replace(seg, tiles=replace(tokens_m, block_cols=200))),
+         "weight extents"),
+        (blocks_m | dict(seg=replace(seg, tiles=replace(tokens_m, block_rows=64))),
+         "64 tokens a consumer"),
     ]
     for change, match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):

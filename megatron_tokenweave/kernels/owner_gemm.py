@@ -43,6 +43,8 @@ from megatron_tokenweave.ops.segments import (
     FIT_BLOCKS_MAX_ROWS,
     FIT_MAX_ROWS,
     FIT_MIN_ROWS,
+    FIT_TOKENS_M_EXTENTS,
+    FIT_TOKENS_M_ROWS,
     FP8_BLOCK_K,
     Segments,
 )
@@ -149,7 +151,8 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     up on a source's tiles of another call. The segments' tiles pick the kernel:
     this module's, or the ping-pong one (owner_gemm_pingpong.py) where it measured faster, or
     the fitted CUDA kernel (its consumer publishes the rows and the tag; 16-bit operands or
-    e4m3 ones scaled per tensor or in blocks).
+    e4m3 ones scaled per tensor or in blocks, in blocks also with the tokens as the MMA's M:
+    ops/segments.fit_tiles(tokens_m=True)).
     seg.release says who publishes the tiles: these CTAs after their last tile ("gemm"), or
     the consumer after this kernel ("consumer": no fence, no flags here). validate: check a
     fitted call or FP8 operands first (`check_fitted_gemm`, `Fp8Operands.check`; off where
@@ -210,8 +213,10 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
     x's by default), or e4m3 ones scaled as fp8 names (ops/segments.FP8_SCALINGS; their
     scales are Fp8Operands.check's), 16-byte rows, row pitches and starts, its token extents
-    (up to FIT_BLOCKS_MAX_ROWS in blocks), the rows the segments read and the inbox rows they
-    fill."""
+    (up to FIT_BLOCKS_MAX_ROWS in blocks; with the tokens as M, in blocks only, its weight
+    extents FIT_TOKENS_M_EXTENTS and FIT_TOKENS_M_ROWS tokens a consumer), the rows the segments
+    read and the inbox rows they fill. A tile's rows past x's are read as zeros (its tensor
+    map ends there) and never stored, so x needs no rows past the call's."""
     out_dtype = out_dtype or x.dtype
     operand = FP8_DTYPE if fp8 else out_dtype
     if out_dtype not in KERNEL_DTYPES or x.dtype != operand or weight.dtype != operand or (
@@ -233,9 +238,17 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TokenWeaveInputError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if x.data_ptr() % VECTOR_BYTES or weight.data_ptr() % VECTOR_BYTES:
         raise TokenWeaveInputError("the fitted GEMM's x and weight must start 16-byte aligned")
-    bn = seg.tiles.block_rows
+    t = seg.tiles
+    bn = t.block_rows
     most = FIT_BLOCKS_MAX_ROWS if fp8 == "blocks" else FIT_MAX_ROWS
-    if bn % 8 or not FIT_MIN_ROWS <= bn <= most:
+    if t.tokens_m:
+        if fp8 != "blocks" or t.block_cols not in FIT_TOKENS_M_EXTENTS or bn != (
+                FIT_TOKENS_M_ROWS * (2 if t.cooperative else 1)):
+            raise TokenWeaveInputError(
+                f"the fitted GEMM's tokens as M take e4m3 operands in blocks (got "
+                f"{fp8 or out_dtype}), weight extents {FIT_TOKENS_M_EXTENTS} and "
+                f"{FIT_TOKENS_M_ROWS} tokens a consumer, got tiles {t}")
+    elif bn % 8 or not FIT_MIN_ROWS <= bn <= most:
         raise TokenWeaveInputError(
             f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}..{most}"
             f"{' (block scales)' if fp8 == 'blocks' else ''}, got {bn}")

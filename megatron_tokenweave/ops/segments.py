@@ -49,6 +49,7 @@ class GemmTiles:
     consumers: int = 1
     fitted: bool = False  # the CUDA kernel with tiles fitted to the call (`fitted_tiles`)
     cooperative: bool = False  # fitted: both consumers on one tile (`fit_tile_rows`)
+    tokens_m: bool = False  # fitted, e4m3 in blocks: the tokens as the MMA's M (`fit_tiles`)
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
@@ -130,6 +131,14 @@ FIT_BLOCKS_HALVES_MAX_ROWS = 104
 FIT_BLOCKS_MAX_ROWS = 208
 FIT_BLOCKS_PICK_MAX_ROWS = 104
 FIT_BLOCKS_WIDE_MAX_WAVES = 2
+# e4m3 in blocks with the tokens as the MMA's M (`fit_tiles(..., tokens_m=True)`, never picked:
+# measured at two points only, faster than the pick at one, docs/kernel.md): FIT_TOKENS_M_ROWS
+# tokens a consumer (one m64 wgmma; a tile of two consumers' in the cooperative mode), the
+# tile's weight rows one of FIT_TOKENS_M_EXTENTS (the instantiations, fit_gemm_host.cuh
+# TokensMExtents: each holds a main loop per place of a tile's first weight row in its 128-row
+# scale block).
+FIT_TOKENS_M_ROWS = 64
+FIT_TOKENS_M_EXTENTS = (64, 96, 128, 144, 160, 176, 192, 208)
 FIT_TILE_COST = 16
 FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
@@ -208,9 +217,19 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) 
 
 
 def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
-              blocks: bool = False) -> GemmTiles:
+              blocks: bool = False, tokens_m: bool = False) -> GemmTiles:
     """The fitted kernel's tiles of a token extent in one mode (block_k: FP8_BLOCK_K for e4m3
-    operands; blocks: scaled in blocks, `fit_tile_rows`)."""
+    operands; blocks: scaled in blocks, `fit_tile_rows`). tokens_m (e4m3 in blocks): the
+    tokens as the MMA's M, `extent` the tiles' weight rows (FIT_TOKENS_M_EXTENTS), their
+    tokens FIT_TOKENS_M_ROWS a consumer; a tiles object the kernel takes, never the pick."""
+    if tokens_m:
+        if not blocks or extent not in FIT_TOKENS_M_EXTENTS:
+            raise TokenWeaveInputError(
+                f"the tokens as M take e4m3 operands in blocks and weight extents "
+                f"{FIT_TOKENS_M_EXTENTS}, got extent {extent}{'' if blocks else ', no blocks'}")
+        return GemmTiles(block_rows=FIT_TOKENS_M_ROWS * (2 if cooperative else 1),
+                         block_cols=extent, block_k=block_k, stages=0, warps=4, consumers=2,
+                         fitted=True, cooperative=cooperative, tokens_m=True)
     return GemmTiles(block_rows=extent, block_cols=fit_tile_rows(extent, cooperative, blocks),
                      block_k=block_k, stages=0, warps=4, consumers=2, fitted=True,
                      cooperative=cooperative)
@@ -370,16 +389,17 @@ class Segments:
     def fitted_geometry(self, slots_off: int, rank: int, slot_rows: int, world: int) -> list[int]:
         """The fitted kernel's view of the call (csrc/ops.cu fit_gemm): where rank `rank`'s rows
         go in the owners' inboxes, the token groups (sequence parallel: a segment each;
-        replicated: all rows, owner = row / rows), the tiles, and the first token tile, the
+        replicated: all rows, owner = row / rows), the tiles, the first token tile, the
         one holding segment rank + 1's first row (each rank stores to a different owner
-        first)."""
+        first), and with the tokens as M the tiles' weight rows (else 0)."""
         t = self.tiles
         groups, group_rows = (world, self.rows) if self.sequence_parallel else (1, self.total)
         group_tiles = -(-group_rows // t.block_rows)
         nxt = (rank + 1) % world
         start = nxt * group_tiles if self.sequence_parallel else nxt * self.rows // t.block_rows
         return [slots_off, rank, slot_rows, self.row0, self.first, self.step, groups, group_rows,
-                self.rows, t.block_rows, int(t.cooperative), start]
+                self.rows, t.block_rows, int(t.cooperative), start,
+                t.block_cols if t.tokens_m else 0]
 
     def input_rows(self, world: int) -> int:
         """Rows of x the call reads: up to the last segment's last row."""

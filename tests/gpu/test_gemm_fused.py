@@ -34,6 +34,10 @@ owner's slot of a loopback inbox poisoned first, against fp32 GEMMs rounded once
 in-features with and without a tail past 64, out-features not a multiple of 128, bias or none,
 bf16 and fp16, this rank 0 or another, within rounding (tests/_rounding.py); rows nobody should
 write stay poisoned. And the launcher's refusals of bad input.
+
+test_fp8_blocks_tokens_as_m_matches_dequantized_reference (sm_90): the fitted kernel with the
+tokens as the MMA's M (e4m3 in blocks), every weight extent in both modes, against the FP8
+cases' reference and bounds.
 """
 
 from __future__ import annotations
@@ -372,6 +376,11 @@ FITTED_SHAPES = ((16, False), (72, True), (136, False), (176, True))
 # in blocks up to 104 tokens consumers of 128 weight rows, past it of 64 (to 208)
 FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False), (112, True),
                        (168, False), (208, True))
+# with the tokens as M (fit_tiles(tokens_m=True)): (weight extent, cooperative), every extent of
+# ops/segments.FIT_TOKENS_M_EXTENTS in both modes
+TOKENS_M_SHAPES = ((64, True), (96, False), (128, True), (144, False), (160, True), (176, False),
+                   (192, True), (208, False), (64, False), (96, True), (128, False), (144, True),
+                   (160, False), (176, True), (192, False), (208, True))
 
 
 def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
@@ -484,9 +493,9 @@ def test_fitted_gemm_matches_reference():
 def test_gemm_takes_padded_rows():
     """Operands whose rows are padded past K (a row pitch over K, the padding NaN), as
     ops/gemm_rows.py hands them over where K's bytes are not whole 32-byte sectors: the fitted
-    kernel (bf16, and e4m3 per tensor in both modes) and the Triton kernels' FP8 forms (large,
-    ping-pong) land the same rows as contiguous operands would, within the same bounds; x
-    padded, the weight padded, and both."""
+    kernel (bf16, e4m3 per tensor in both modes, and in blocks with the tokens as M) and the
+    Triton kernels' FP8 forms (large, ping-pong) land the same rows as contiguous operands
+    would, within the same bounds; x padded, the weight padded, and both."""
     _skip_without_fitted()
     from dataclasses import replace
 
@@ -516,6 +525,13 @@ def test_gemm_takes_padded_rows():
             cases += 1
             if bad:
                 failures.append(f"e4m3 {tiles} rows={rows} pads={pad}: {bad}")
+        # e4m3 in blocks, the tokens as M
+        tiles = fit_tiles(*TOKENS_M_SHAPES[i % len(TOKENS_M_SHAPES)], FP8_BLOCK_K, True, True)
+        bad, _ = _fp8_case(inbox, Layout.REPLICATED, 4, 0, rows, 3696, n, True, i % 2 == 0,
+                           500 + i, tiles, pad)
+        cases += 1
+        if bad:
+            failures.append(f"e4m3 blocks {tiles} rows={rows} pads={pad}: {bad}")
     inbox.close()
     print(f"padded rows: {cases - len(failures)} of {cases} cases exact")
     assert not failures, "\n".join(failures[:10])
@@ -678,10 +694,46 @@ def test_fp8_gemm_matches_dequantized_reference():
     assert seen >= want, seen
 
 
+def test_fp8_blocks_tokens_as_m_matches_dequantized_reference():
+    """The fitted kernel with the tokens as the MMA's M (e4m3 in blocks,
+    ops/segments.fit_tiles(tokens_m=True)) lands every owner's rows of the dequantized product
+    (+ bias), rounded once to bf16 or fp16, every other row and slot still poisoned (`_fp8_case`:
+    the reference and bounds of the FP8 cases): replicated at TP 2 and 8, sequence parallel at
+    TP 4, rows 1-1031 (most not multiples of its 64-token rows: their padded rows never
+    stored), x's rows from row 3, out-features not a multiple of 128 (1000, 1064: a short last
+    weight block), K with a short last block (208, 3696), bias or none; every weight extent
+    (tiles that start anywhere in a weight block, spanning up to three) in both modes, two a
+    call in turn."""
+    _skip_without_fitted()
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, fit_tiles
+
+    dev = torch.device("cuda", 0)
+    failures, cases, seed, worst = [], 0, 900, 0.0
+    for dtype in (torch.bfloat16, torch.float16):
+        for (n, k) in ((8192, 3696), (5120, 3584), (1064, 256), (1000, 208)):
+            for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
+                for _ in range(2):
+                    extent, cooperative = TOKENS_M_SHAPES[cases % len(TOKENS_M_SHAPES)]
+                    tiles = fit_tiles(extent, cooperative, FP8_BLOCK_K, True, True)
+                    seed += 5
+                    bad, err = _fp8_case(inbox, layout, world, 0, rows, k, n, True,
+                                         seed % 2 == 0, seed, tiles)
+                    worst = max(worst, err)
+                    cases += 1
+                    if bad:
+                        failures.append(f"{dtype} n={n} k={k} {layout.value} P={world} "
+                                        f"rows={rows} extent={extent}"
+                                        f"{'c' if cooperative else 'p'}: {bad}")
+    print(f"FP8 blocks, tokens as M: {cases - len(failures)} of {cases} cases within bounds; "
+          f"largest |error| / sum of |products| {worst:.2e}")
+    assert not failures, "\n".join(failures[:12])
+
+
 def test_fp8_gemm_refuses_bad_input():
     """FP8 calls with 16-bit tiles, block scales on the ping-pong kernel or on fitted tiles of
     more than FIT_BLOCKS_MAX_ROWS tokens, operands not e4m3, scales of the wrong shape or
-    dtype, or blockwise K not whole blocks: TokenWeaveInputError, nothing launched."""
+    dtype, or blockwise K not whole blocks, the tokens as M with scales per tensor:
+    TokenWeaveInputError, nothing launched."""
     _skip_without_kernels()
     from dataclasses import replace
 
@@ -689,12 +741,20 @@ def test_fp8_gemm_refuses_bad_input():
     from megatron_tokenweave.kernels.owner_gemm import owner_gemm
     from megatron_tokenweave.ops.fp8_operands import Fp8Operands
     from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
-    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, PINGPONG, fitted_tiles, segments
+    from megatron_tokenweave.ops.segments import (
+        FP8_BLOCK_K,
+        PINGPONG,
+        fit_tiles,
+        fitted_tiles,
+        segments,
+    )
     from megatron_tokenweave.ops.validate import Layout, TokenWeaveInputError
 
     dev = torch.device("cuda", 0)
     inbox = GemmInbox.loopback(2, 1024, 512, torch.bfloat16, dev)
     seg = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132, fp8="tensor")
+    tokens_m = segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
+                        tiles=fit_tiles(128, True, FP8_BLOCK_K, True, True))
     pingpong, fitted = (segments(Layout.REPLICATED, 2, 300, hidden=512, k=256, ctas=132,
                                  tiles=replace(t, block_k=FP8_BLOCK_K))
                         for t in (PINGPONG, replace(fitted_tiles(Layout.REPLICATED, 2, 300, 512,
@@ -710,6 +770,7 @@ def test_fp8_gemm_refuses_bad_input():
             "one-consumer"),
            (x, w, fitted, replace(blocks, x_scale_inv=torch.ones(2, 300, device=dev)),
             r"16\.\.208 \(block scales\)"),
+           (x, w, tokens_m, Fp8Operands(one, one), "tokens as M take e4m3 operands in blocks"),
            (x, w, seg, Fp8Operands(one.double(), one), "float32"),
            (x, w, seg, Fp8Operands(torch.ones(2, device=dev), one), r"\(1,\)"),
            (x, w, seg, replace(blocks, x_scale_inv=torch.ones(2, 301, device=dev)), "x scale"),

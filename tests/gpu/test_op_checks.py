@@ -22,7 +22,7 @@ dev = torch.device("cuda", 0)
 bf16 = torch.bfloat16
 inbox = torch.empty(1 << 22, dtype=bf16, device=dev)
 regions = [inbox.data_ptr(), inbox.data_ptr()]
-geometry = [0, 0, 512, 0, 0, 0, 1, 256, 128, 64, 0, 0]
+geometry = [0, 0, 512, 0, 0, 0, 1, 256, 128, 64, 0, 0, 0]
 x = torch.randn(256, 4096, device=dev, dtype=bf16)
 w = torch.randn(1024, 4096, device=dev, dtype=bf16)
 """
@@ -40,9 +40,9 @@ CASES = [
     ("fit_gemm block rows 180",
      "geometry[9] = 180\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8, [], None)",
      "in 16..176, got 180"),
-    ("fit_gemm 11 geometry entries",
-     "torch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry[:11], 8, [], None)",
-     "got 11 entries"),
+    ("fit_gemm 12 geometry entries",
+     "torch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry[:12], 8, [], None)",
+     "got 12 entries"),
     ("fit_gemm rows past the segments",
      "geometry[7] = 300\ntorch.ops.tokenweave.fit_gemm(x, w, None, regions, geometry, 8, [], None)",
      "300 rows do not split into 2 segments of 128"),
@@ -101,6 +101,19 @@ CASES = [
      "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
      "bf16)",
      "in 16..208 (block scales), got 216"),
+    ("fit_gemm tokens as M, weight rows 200",
+     "e4 = torch.float8_e4m3fn\n"
+     "xs, ws = torch.ones(32, 256, device=dev), torch.ones(8, 32, device=dev)\n"
+     "geometry[9:11], geometry[12] = [128, 1], 200\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [xs, ws], "
+     "bf16)",
+     "got weight_rows 200, block_rows 128"),
+    ("fit_gemm tokens as M, scales per tensor",
+     "e4, one = torch.float8_e4m3fn, torch.ones(1, device=dev)\n"
+     "geometry[12] = 128\n"
+     "torch.ops.tokenweave.fit_gemm(x.to(e4), w.to(e4), None, regions, geometry, 8, [one, one], "
+     "bf16)",
+     "got weight_rows 128, block_rows 64, no block scales"),
 ]
 
 

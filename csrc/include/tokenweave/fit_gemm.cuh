@@ -27,10 +27,22 @@
 // weight rows to kMaxHalvesBlocksBN tokens; past it a consumer takes 64 weight rows (one m64
 // wgmma a K step: consumer_rows), up to kMaxBlocksBN tokens in the same registers.
 //
+// Tokens as M (kTokensM, e4m3 in blocks only): the operands the other way round, the tokens the
+// MMA's M (64 a consumer: one m64 wgmma a K step) and the weight's rows its N (BN, the tile's
+// weight extent: a multiple of 8 to kMaxBlocksBN, not the call's token count). A consumer
+// thread's accumulators then hold two token rows (warp * 16 + lane / 4 and + 8) by the tile's
+// columns, so a K block is scaled by two x scales a thread (not BN / 4), loaded from global
+// memory while the block's MMAs run, and by the scales of the weight blocks the tile's columns
+// span, each column's block known at compile time (RowScales: the kernel holds a main loop per
+// place of the tile's first column in its weight block). Token tiles are 64 rows (ping-pong) or
+// 128 (cooperative), so a count's tail costs up to 63 or 127 padded rows a tile (what a
+// measurement is to weigh against the scales saved: docs/kernel.md "Speed, in blocks").
+//
 // Structure (one CTA per SM, persistent, 384 threads):
 // - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
 //   with TMA into a ring of kStages slots (the weight's box of 128 or 256 rows and the tokens'
-//   BN rows, 128 bytes of K each, 128-byte-swizzled K-major rows), each slot with a `full` barrier
+//   BN rows, or with kTokensM the tokens' 64 or 128 and the weight's BN, 128 bytes of K each,
+//   128-byte-swizzled K-major rows), each slot with a `full` barrier
 //   (transaction bytes) and an `empty` barrier (the consumer warps' release);
 // - warpgroups 1 and 2, the consumers, each with a kBM x BN fp32 tile part in registers (kBM 128:
 //   two m64nBN wgmma per 32 bytes of K; 64 in blocks past kMaxHalvesBlocksBN tokens, where below
@@ -45,9 +57,9 @@
 //   shared memory, the epilogue not overlapped (measured faster where each CTA has one or two
 //   tiles of long K); in blocks its consumers issue each stage's MMAs in turn (the same named
 //   barriers), so one consumer's scaling of a K block runs beside the other's MMAs;
-// - the epilogue, per 32 tokens: bias, rounding once, through shared memory into token rows
-//   (stmatrix: the accumulator holds a token's values across lanes), then 16-byte stores of each
-//   valid row into its owner's slot.
+// - the epilogue, per 32 tokens (kTokensM: per 64 weight columns): bias, rounding once, through
+//   shared memory into token rows (stmatrix, transposed where the accumulator holds a token's
+//   values across lanes), then 16-byte stores of each valid row into its owner's slot.
 //
 // Tokens: `groups` groups of `group_rows` rows each (sequence parallel: one per rank, the
 // owner's segment; replicated: one, all rows, owner = row / seg_rows), tiled by BN; x rows of
@@ -58,6 +70,7 @@
 #include <cuda_fp8.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "tokenweave/common.cuh"
 #include "tokenweave/hopper.cuh"
@@ -76,6 +89,7 @@ constexpr int kMaxBN = 176;         // BN fp32 accumulators per consumer thread:
 constexpr int kMaxHalvesBlocksBN = 104;  // e4m3 in blocks, 128-row consumers: 2 x BN accumulators
 constexpr int kMaxBlocksBN = 208;   // e4m3 in blocks, 64-row consumers: 2 x BN / 2 accumulators
 constexpr int kScaleLead = 4;       // e4m3 in blocks: x scales per 16 bytes (a TMA box's start)
+constexpr int kTokensMEpiCols = 64;  // kTokensM: weight columns per epilogue pass
 constexpr int kSmemLimit = 232448;  // bytes of dynamic shared memory per block (sm_90)
 constexpr int kBarrierBytes = 256;  // the pipeline's barriers, after the stages
 constexpr int kProducerRegs = 40;
@@ -87,6 +101,7 @@ struct FitGemmParams {
   const void* bias;            // [n_out] or null
   const float* scale_inv[2];   // e4m3 operands: x's and the weight's dequantization scales
   int ws_stride, w_blocks;     // blocks: the weight scales' row stride and rows (N blocks)
+  int xs_stride;               // blocks: the x scales' row stride (a K block's tokens)
   int n_out, k;                // output columns (hidden) and in-features
   int rank, slot_rows;         // this rank's slot in every owner's inbox; rows per slot
   int row0;                    // inbox row of a segment's row 0
@@ -94,8 +109,8 @@ struct FitGemmParams {
   int groups, group_rows;      // token groups (sequence parallel: world; replicated: 1)
   int seg_rows;                // replicated: rows per owner (owner = row / seg_rows)
   float inv_seg_rows;          // 1 / seg_rows (the owner of a row, corrected to the exact one)
-  int group_tiles;             // token tiles per group: ceil(group_rows / BN)
-  int m_tiles;                 // weight tiles: ceil(n_out / tile rows)
+  int group_tiles;             // token tiles per group: ceil(group_rows / a tile's tokens)
+  int m_tiles;                 // weight tiles: ceil(n_out / a tile's weight rows)
   int tiles;                   // m_tiles * groups * group_tiles
   int start;                   // the first token tile (rotation)
 };
@@ -107,31 +122,44 @@ __host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
   return blocks && bn > kMaxHalvesBlocksBN ? kHalfM : 2 * kHalfM;
 }
 
-// kCoop: both consumers on one tile of 2 x kBM weight rows (each its own kBM); else each its own
-// tiles of kBM rows, alternating ("ping-pong"). kBlocks: a stage also holds the tile's tokens'
-// scales of its K block (BN fp32).
-template <int BN, bool kCoop, bool kBlocks = false>
+// An instantiation's tile. A is the MMA's M operand, B its N operand: the weight's rows and the
+// tokens (BN of them), or with kTokensM the tokens (kHalfM a consumer) and the weight's rows (BN).
+// kCoop: both consumers on one tile of 2 x kBM rows of A (each its own kBM); else each its own
+// tiles of kBM rows of A, alternating ("ping-pong"). kBlocks without kTokensM: a stage also
+// holds the tile's tokens' scales of its K block (BN fp32).
+template <int BN, bool kCoop, bool kBlocks = false, bool kTokensM = false>
 struct Shape {
-  static constexpr int kBM = consumer_rows(BN, kBlocks);
+  static constexpr int kN = BN;
+  static constexpr bool kBlockScales = kBlocks, kTokensAsM = kTokensM;
+  static constexpr int kBM = kTokensM ? kHalfM : consumer_rows(BN, kBlocks);
   static constexpr int kSubs = kBM / kHalfM;  // m64 wgmma per 32 bytes of K
   static constexpr int kTileM = kCoop ? 2 * kBM : kBM;
+  static constexpr int kTileTokens = kTokensM ? kTileM : BN;
+  static constexpr int kTileWeights = kTokensM ? BN : kTileM;
   static constexpr int kAStage = kTileM * kRowBytes;
   static constexpr int kBStage = BN * kRowBytes;
-  // kBlocks: the box of x scales, from the 16-byte-aligned token below the tile's first, so
-  // kScaleLead more (a box at the tile's first token faulted, illegal instruction, on an H100
-  // wherever that token's offset was not a multiple of 16 bytes).
+  // kBlocks without kTokensM: the box of x scales, from the 16-byte-aligned token below the
+  // tile's first, so kScaleLead more (a box at the tile's first token faulted, illegal
+  // instruction, on an H100 wherever that token's offset was not a multiple of 16 bytes).
+  static constexpr bool kScaleStage = kBlocks && !kTokensM;
   static constexpr int kScaleBox = BN + kScaleLead;
-  static constexpr int kSStage = kBlocks ? (kScaleBox * 4 + 127) / 128 * 128 : 0;
+  static constexpr int kSStage = kScaleStage ? (kScaleBox * 4 + 127) / 128 * 128 : 0;
   static constexpr int kStageBytes = kAStage + kBStage + kSStage;
-  static constexpr int kEpiBuffer = kEpiTokens * kBM * 2;  // bytes: token rows of kBM columns
-  static constexpr int kEpiBytes = 2 * 2 * kEpiBuffer;     // two consumers, two buffers
+  // An epilogue pass stages kEpiRows token rows of kEpiCols columns: kEpiTokens of the
+  // consumer's kBM weight rows, or with kTokensM its kBM tokens of kTokensMEpiCols columns.
+  static constexpr int kEpiRows = kTokensM ? kBM : kEpiTokens;
+  static constexpr int kEpiCols = kTokensM ? kTokensMEpiCols : kBM;
+  static constexpr int kEpiBuffer = kEpiRows * kEpiCols * 2;  // bytes
+  static constexpr int kEpiBytes = 2 * 2 * kEpiBuffer;        // two consumers, two buffers
   static constexpr int kFree = kSmemLimit - kBarrierBytes - kEpiBytes;
   static constexpr int kStages = kFree / kStageBytes > 8 ? 8 : kFree / kStageBytes;
   static constexpr int kSmem = kStages * kStageBytes + kEpiBytes + kBarrierBytes;
+  // kTokensM: the same registers as 64-row consumers in blocks, 2 x BN / 2 floats a thread.
   static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= (kBlocks ? kMaxBlocksBN : kMaxBN),
                 "BN: a multiple of 8 in kMinBN..kMaxBN (kMaxBlocksBN in blocks)");
   static_assert(kStages >= 3, "too few pipeline stages fit");
-  static_assert(!kBlocks || kBlockK % kBM == 0, "a consumer's weight rows: one scale block");
+  static_assert(!kTokensM || kBlocks, "tokens as M: e4m3 operands in blocks only");
+  static_assert(!kScaleStage || kBlockK % kBM == 0, "a consumer's weight rows: one scale block");
 };
 
 // An operand type's wgmma and K per stage (kRowBytes of it).
@@ -165,11 +193,11 @@ __device__ __forceinline__ int tile_x_row(const FitGemmParams& p, int nt, int bn
 }
 
 // Byte offset of the 16-byte granule `granule` of token row `row` in a staging buffer: rows of
-// kBM elements, granules XOR-swizzled by the row so that neither stmatrix's 8-row blocks nor the
-// row reads meet bank conflicts.
-template <int kBM>
+// kCols elements, granules XOR-swizzled by the row so that neither stmatrix's 8-row blocks nor
+// the row reads meet bank conflicts.
+template <int kCols>
 __device__ __forceinline__ uint32_t stage_offset(int row, int granule) {
-  return static_cast<uint32_t>(row * kBM * 2 + ((granule ^ (row & 7)) << 4));
+  return static_cast<uint32_t>(row * kCols * 2 + ((granule ^ (row & 7)) << 4));
 }
 
 // The owner of row j of a replicated call (j / seg_rows: the float estimate is off by at most one).
@@ -180,85 +208,125 @@ __device__ __forceinline__ int owner_of(const FitGemmParams& p, int j) {
   return owner;
 }
 
-// A consumer's kSubs x 64 by BN accumulators (weight columns col0.., token tile nt) into the
-// owners' inboxes: per kEpiTokens tokens, bias and rounding into a staging buffer (stmatrix, token
-// rows), then each thread's 16 bytes of kEpiTokens x kSubs / 16 rows, all loaded before any is
-// stored. Two buffers, so one barrier per pass: a buffer is rewritten two passes later, after
-// every thread passed the barrier between. `pass` counts the consumer's passes over all its
-// tiles. (Measured on one H200: faster than handing the staged rows to the copy engine, per row
-// or per 8-row box, whose many small copies cost 2-3x this pass's time.)
-template <typename T, int BN, int kSubs>
-__device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[kSubs][BN / 2],
-                                         int col0, int nt, uint8_t* stage, int consumer,
-                                         int& pass) {
+// The bias of weight columns col and col + 1 (0 without a bias or past n_out, a multiple of 8).
+template <typename T>
+__device__ __forceinline__ float2 bias_pair(const FitGemmParams& p, int col) {
+  if (p.bias == nullptr || col >= p.n_out) return make_float2(0.f, 0.f);
+  const T* b = static_cast<const T*>(p.bias) + col;
+  return make_float2(to_float(b[0]), to_float(b[1]));
+}
+
+// A consumer's accumulators into the owners' inboxes: kSubs x 64 weight rows (from col0) by the
+// tile's BN tokens, or with kTokensM its 64 tokens (from row0 of the tile) by the tile's BN
+// weight rows (from col0). Per pass of S::kEpiRows tokens by S::kEpiCols columns: bias and
+// rounding into a staging buffer of token rows (stmatrix, transposed where the accumulator
+// holds a token's values across lanes, as they are where it holds token rows), then each
+// thread's 16 bytes of kEpiRows x kEpiCols / 1024 rows, all loaded before any is stored, each
+// valid row into its owner's slot. Two buffers, so one barrier per pass: a buffer is rewritten
+// two passes later, after every thread passed the barrier between. `pass` counts the
+// consumer's passes over all its tiles. (Measured on one H200: faster than handing the staged
+// rows to the copy engine, per row or per 8-row box, whose many small copies cost 2-3x this
+// pass's time.)
+template <typename T, typename S>
+__device__ __forceinline__ void epilogue(const FitGemmParams& p,
+                                         float (&acc)[S::kSubs][S::kN / 2], int col0, int row0,
+                                         int nt, uint8_t* stage, int consumer, int& pass) {
   using namespace hopper;
-  constexpr int kBM = kSubs * kHalfM;
-  constexpr int kGranules = kBM * 2 / 16;            // 16-byte granules of a staged row
-  constexpr int kSweepRows = 128 / kGranules;        // rows the consumer's threads read at once
-  constexpr int kSweeps = kEpiTokens / kSweepRows;   // rows per thread per pass
+  constexpr int BN = S::kN, kSubs = S::kSubs, kCols = S::kEpiCols;
+  constexpr int kGranules = kCols * 2 / 16;            // 16-byte granules of a staged row
+  constexpr int kSweepRows = 128 / kGranules;          // rows the consumer's threads read at once
+  constexpr int kSweeps = S::kEpiRows / kSweepRows;    // rows per thread per pass
+  constexpr int kPasses = (BN + (S::kTokensAsM ? kCols : kEpiTokens) - 1) /
+                          (S::kTokensAsM ? kCols : kEpiTokens);
   const int tid = threadIdx.x - 128 * (consumer + 1);
   const int warp = tid >> 5, lane = tid & 31;
-  float bias[kSubs][2] = {};
-  if (p.bias != nullptr) {
+  float bias[kSubs][2] = {};  // weights as M: each fragment row's (a weight column's) bias
+  if constexpr (!S::kTokensAsM) {
 #pragma unroll
     for (int sub = 0; sub < kSubs; ++sub)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = col0 + sub * 64 + 16 * warp + (lane >> 2) + 8 * h;
-        if (col < p.n_out) bias[sub][h] = to_float(static_cast<const T*>(p.bias)[col]);
+        if (p.bias != nullptr && col < p.n_out)
+          bias[sub][h] = to_float(static_cast<const T*>(p.bias)[col]);
       }
   }
   const int g = nt / p.group_tiles;
-  const int j0 = (nt - g * p.group_tiles) * BN;  // the tile's first row within its group
-  const int valid = min(BN, p.group_rows - j0);  // rows of the tile that hold rows
+  const int j0 = (nt - g * p.group_tiles) * S::kTileTokens;  // the tile's first row in its group
+  const int valid = min(S::kTileTokens, p.group_rows - j0);  // rows of the tile that hold rows
   // This thread's granule and first row of a pass (kGranules: a power of two).
   const int vcol = tid & (kGranules - 1), vrow = static_cast<unsigned>(tid) / kGranules;
-  const bool col_ok = col0 + vcol * 8 < p.n_out;
   const int64_t row_bytes = static_cast<int64_t>(p.n_out) * sizeof(T);
-  const int64_t col_bytes = (static_cast<int64_t>(col0) + vcol * 8) * sizeof(T);
   const int64_t slot_row0 = static_cast<int64_t>(p.rank) * p.slot_rows + p.row0;
   const bool sp = p.groups > 1;
 #pragma unroll
-  for (int c = 0; c < (BN + kEpiTokens - 1) / kEpiTokens; ++c, ++pass) {
-    uint8_t* buf = stage + (pass & 1) * (kEpiTokens * kBM * 2);
-    // Token rows through stmatrix (transposed 8 x 8 blocks): lane 8 * i + r addresses row r of
-    // block i = (weight rows +8 or not, token group of the pair).
+  for (int c = 0; c < kPasses; ++c, ++pass) {
+    uint8_t* buf = stage + (pass & 1) * S::kEpiBuffer;
+    if constexpr (S::kTokensAsM) {
+      // Columns 64 c ..: lane 8 * i + r addresses row r of block i = (token rows +8 or not,
+      // column group of the pair); element 4 j + 2 h + e holds row 8 h, column 8 j + e.
+      const float* a = acc[0];
 #pragma unroll
-    for (int jj = 0; jj < kEpiTokens / 8; jj += 2) {
-      const int j = c * (kEpiTokens / 8) + jj;
-      const int blk = lane >> 3;
-      const int n = 8 * (jj + (blk >> 1)) + (lane & 7);
-#pragma unroll
-      for (int sub = 0; sub < kSubs; ++sub) {
-        const int granule = sub * 8 + 2 * warp + (blk & 1);
-        const uint32_t addr = smem_addr(buf) + stage_offset<kBM>(n, granule);
-        const float b0 = bias[sub][0], b1 = bias[sub][1];
+      for (int jj = 0; jj < kCols / 8; jj += 2) {
+        const int j = c * (kCols / 8) + jj;
+        const int blk = lane >> 3;
+        const uint32_t addr = smem_addr(buf) + stage_offset<kCols>(
+            16 * warp + 8 * (blk & 1) + (lane & 7), jj + (blk >> 1));
+        const int col = col0 + 8 * j + 2 * (lane & 3);
+        const float2 b0 = bias_pair<T>(p, col);
         if (j + 1 < BN / 8) {
-          stmatrix_x4_trans(addr,
-                            Pack<T>::from_float2(acc[sub][4 * j] + b0, acc[sub][4 * j + 1] + b0),
-                            Pack<T>::from_float2(acc[sub][4 * j + 2] + b1,
-                                                 acc[sub][4 * j + 3] + b1),
-                            Pack<T>::from_float2(acc[sub][4 * j + 4] + b0,
-                                                 acc[sub][4 * j + 5] + b0),
-                            Pack<T>::from_float2(acc[sub][4 * j + 6] + b1,
-                                                 acc[sub][4 * j + 7] + b1));
+          const float2 b1 = bias_pair<T>(p, col + 8);
+          stmatrix_x4(addr, Pack<T>::from_float2(a[4 * j] + b0.x, a[4 * j + 1] + b0.y),
+                      Pack<T>::from_float2(a[4 * j + 2] + b0.x, a[4 * j + 3] + b0.y),
+                      Pack<T>::from_float2(a[4 * j + 4] + b1.x, a[4 * j + 5] + b1.y),
+                      Pack<T>::from_float2(a[4 * j + 6] + b1.x, a[4 * j + 7] + b1.y));
         } else if (j < BN / 8) {
-          stmatrix_x2_trans(addr,
-                            Pack<T>::from_float2(acc[sub][4 * j] + b0, acc[sub][4 * j + 1] + b0),
-                            Pack<T>::from_float2(acc[sub][4 * j + 2] + b1,
-                                                 acc[sub][4 * j + 3] + b1));
+          stmatrix_x2(addr, Pack<T>::from_float2(a[4 * j] + b0.x, a[4 * j + 1] + b0.y),
+                      Pack<T>::from_float2(a[4 * j + 2] + b0.x, a[4 * j + 3] + b0.y));
+        }
+      }
+    } else {
+      // Token rows through stmatrix (transposed 8 x 8 blocks): lane 8 * i + r addresses row r
+      // of block i = (weight rows +8 or not, token group of the pair).
+#pragma unroll
+      for (int jj = 0; jj < kEpiTokens / 8; jj += 2) {
+        const int j = c * (kEpiTokens / 8) + jj;
+        const int blk = lane >> 3;
+        const int n = 8 * (jj + (blk >> 1)) + (lane & 7);
+#pragma unroll
+        for (int sub = 0; sub < kSubs; ++sub) {
+          const int granule = sub * 8 + 2 * warp + (blk & 1);
+          const uint32_t addr = smem_addr(buf) + stage_offset<kCols>(n, granule);
+          const float b0 = bias[sub][0], b1 = bias[sub][1];
+          if (j + 1 < BN / 8) {
+            stmatrix_x4_trans(
+                addr, Pack<T>::from_float2(acc[sub][4 * j] + b0, acc[sub][4 * j + 1] + b0),
+                Pack<T>::from_float2(acc[sub][4 * j + 2] + b1, acc[sub][4 * j + 3] + b1),
+                Pack<T>::from_float2(acc[sub][4 * j + 4] + b0, acc[sub][4 * j + 5] + b0),
+                Pack<T>::from_float2(acc[sub][4 * j + 6] + b1, acc[sub][4 * j + 7] + b1));
+          } else if (j < BN / 8) {
+            stmatrix_x2_trans(
+                addr, Pack<T>::from_float2(acc[sub][4 * j] + b0, acc[sub][4 * j + 1] + b0),
+                Pack<T>::from_float2(acc[sub][4 * j + 2] + b1, acc[sub][4 * j + 3] + b1));
+          }
         }
       }
     }
     bar_sync(3 + consumer, 128);
+    // The pass's first row within the tile and this thread's column; a granule past the tile's
+    // columns (kTokensM's last pass) holds nothing of this tile.
+    const int pass_row = S::kTokensAsM ? row0 : c * kEpiTokens;
+    const int tile_col = (S::kTokensAsM ? c * kCols : 0) + vcol * 8;
+    const bool col_ok = tile_col < (S::kTokensAsM ? BN : kCols) && col0 + tile_col < p.n_out;
+    const int64_t col_bytes = (static_cast<int64_t>(col0) + tile_col) * sizeof(T);
     Vec16 v[kSweeps];
 #pragma unroll
     for (int q = 0; q < kSweeps; ++q)
-      v[q] = *reinterpret_cast<const Vec16*>(
-          buf + stage_offset<kBM>(vrow + kSweepRows * q, vcol));
+      v[q] = *reinterpret_cast<const Vec16*>(buf +
+                                             stage_offset<kCols>(vrow + kSweepRows * q, vcol));
 #pragma unroll
     for (int q = 0; q < kSweeps; ++q) {
-      const int row = c * kEpiTokens + vrow + kSweepRows * q;  // within the tile
+      const int row = pass_row + vrow + kSweepRows * q;  // within the tile
       if (row < valid && col_ok) {
         const int j = j0 + row;
         const int owner = sp ? g : owner_of(p, j);
@@ -271,31 +339,138 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p, float (&acc)[kS
   }
 }
 
+// The scales of a main loop's K blocks: load(kt) issues a K block's loads (before the wait for
+// its MMAs, so they run meanwhile), apply(...) adds the block's products into the sums, scaled.
+// 16-bit and per-tensor operands take none.
+struct NoScales {};
+
+// Weights as M, in blocks: a consumer's weight rows lie in one weight block (`ws`: its K blocks'
+// scales; null past the weight's rows); the tokens' scales come with the stage, by TMA (the
+// tile's first token `lead` places in the stage's box).
+template <typename S>
+struct ColScales {
+  const float* ws;
+  const uint8_t* s_smem;
+  int lead;
+
+  __device__ __forceinline__ float load(int kt) const {
+    return ws != nullptr ? __ldg(ws + kt) : 0.f;
+  }
+  __device__ __forceinline__ void apply(float (&acc)[S::kSubs][S::kN / 2],
+                                        const float (&part)[S::kSubs][S::kN / 2], float sw,
+                                        int slot) const {
+    const int lane = threadIdx.x & 31;
+    // Accumulator element 4 j + 2 h + c holds token 8 j + 2 (lane % 4) + c.
+    const float* xs =
+        reinterpret_cast<const float*>(s_smem + slot * S::kSStage) + lead + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < S::kN / 8; ++j) {
+      const float s0 = xs[8 * j] * sw, s1 = xs[8 * j + 1] * sw;
+#pragma unroll
+      for (int sub = 0; sub < S::kSubs; ++sub) {
+        acc[sub][4 * j] = fmaf(part[sub][4 * j], s0, acc[sub][4 * j]);
+        acc[sub][4 * j + 1] = fmaf(part[sub][4 * j + 1], s1, acc[sub][4 * j + 1]);
+        acc[sub][4 * j + 2] = fmaf(part[sub][4 * j + 2], s0, acc[sub][4 * j + 2]);
+        acc[sub][4 * j + 3] = fmaf(part[sub][4 * j + 3], s1, acc[sub][4 * j + 3]);
+      }
+    }
+  }
+};
+
+// Tokens as M, in blocks: a thread's accumulators hold two token rows (16 * warp + lane / 4 and
+// + 8) by the tile's BN columns, whose first lies kR rows into its weight block, so columns
+// 8 j .. 8 j + 7 lie in the tile's block (kR + 8 j) / 128 (of kSpan), known at compile time. A
+// K block takes two x scales and kSpan weight scales a thread, loaded from global memory (L1:
+// the four lanes of a row share one address, every weight tile re-reads a token's) while its
+// MMAs run; a stage's TMA box of them (the weights-as-M form) would cost the producer a third
+// copy and an aligned box, and each thread a shared-memory load all the same. Rows past the x
+// scales' (past x's rows, whose operand rows TMA fills with zeros, never stored) and weight
+// blocks past the weight's read the last ones: finite loads in bounds.
+template <typename S, int kR>
+struct RowScales {
+  static constexpr int kSpan = (kR + S::kN + kBlockK - 1) / kBlockK;
+  // The thread's first row and the tile's first weight block (p: the kernel's parameters, so
+  // the scales' bases, strides and bounds take no registers).
+  const FitGemmParams& p;
+  int x_row, w_block;
+
+  struct Block {
+    float x[2], w[kSpan];
+  };
+  __device__ __forceinline__ RowScales(const FitGemmParams& params, int row, int w_row)
+      : p(params), x_row(row), w_block(w_row / kBlockK) {}
+  __device__ __forceinline__ Block load(int kt) const {
+    Block s;
+    // 32-bit offsets (the op checks the x scales' size): one wide address sum a load.
+    const int x_off = kt * p.xs_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      s.x[h] = __ldg(p.scale_inv[0] + (x_off + min(x_row + 8 * h, p.xs_stride - 1)));
+#pragma unroll
+    for (int b = 0; b < kSpan; ++b)
+      s.w[b] = __ldg(p.scale_inv[1] + (min(w_block + b, p.w_blocks - 1) * p.ws_stride + kt));
+    return s;
+  }
+  __device__ __forceinline__ void apply(float (&acc)[1][S::kN / 2],
+                                        const float (&part)[1][S::kN / 2], const Block& s,
+                                        int) const {
+    // Block by block, two products live at a time (registers). Element 4 j + 2 h + c: row 8 h,
+    // column 8 j + 2 (lane % 4) + c.
+#pragma unroll
+    for (int b = 0; b < kSpan; ++b) {
+      const float f[2] = {s.x[0] * s.w[b], s.x[1] * s.w[b]};
+#pragma unroll
+      for (int j = 0; j < S::kN / 8; ++j) {
+        if ((kR + 8 * j) / kBlockK != b) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc[0][4 * j + e] = fmaf(part[0][4 * j + e], f[e >> 1], acc[0][4 * j + e]);
+      }
+    }
+  }
+};
+
+// The places a tile's first weight row may take in its weight block: multiples of
+// gcd(BN, kBlockK), every tile's first row being a multiple of BN.
+__host__ __device__ constexpr int block_step(int bn) {
+  return (bn & -bn) < kBlockK ? (bn & -bn) : kBlockK;
+}
+
+// f(std::integral_constant<int, r>{}) for r, a tile's first weight row's place in its block.
+template <int BN, typename F, int... I>
+__device__ __forceinline__ void with_block_offset_impl(int r, F&& f,
+                                                       std::integer_sequence<int, I...>) {
+  constexpr int kStep = block_step(BN);
+  ((r == I * kStep ? f(std::integral_constant<int, I * kStep>{}) : void()), ...);
+}
+template <int BN, typename F>
+__device__ __forceinline__ void with_block_offset(int r, F&& f) {
+  with_block_offset_impl<BN>(r, f, std::make_integer_sequence<int, kBlockK / block_step(BN)>{});
+}
+
 // The main loop of one tile per consumer: its K steps' MMAs into acc. 16-bit or e4m3 per
 // tensor: one wgmma group in flight while the next is issued, each slot released once the MMAs
 // that read it are done; the last group is left in flight, its slot returned (the caller waits
 // for it: a ping-pong consumer first lets the other one start). kBlocks: each step's MMAs into
-// `part`, waited for, then added into acc scaled by the weight block's scale (`ws`: its K
-// blocks' scales; null past the weight's rows) times each token's (the stage's scales, the
-// tile's first `lead` places in); every slot released here (returns -1). Cooperative blocks:
-// `consumer` and the CTA's last stage sequence number `last_seq` order the two consumers' issue.
-template <typename In, int BN, bool kCoop, bool kBlocks,
-          int kSubs = Shape<BN, kCoop, kBlocks>::kSubs>
-__device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
-                                          float (&part)[kSubs][BN / 2],
+// `part`, waited for, then added into acc scaled (`scales`: ColScales or RowScales); every slot
+// released here (returns -1). Cooperative blocks: `consumer` and the CTA's last stage sequence
+// number `last_seq` order the two consumers' issue.
+template <typename In, typename S, bool kCoop, typename Scales>
+__device__ __forceinline__ int main_loop(float (&acc)[S::kSubs][S::kN / 2],
+                                          float (&part)[S::kSubs][S::kN / 2],
                                           const uint8_t* a_smem, const uint8_t* b_smem,
-                                          const uint8_t* s_smem, uint64_t* full, uint64_t* empty,
-                                          int seq0, int k_steps, uint32_t a_part,
-                                          const float* ws, int lead, int consumer,
+                                          uint64_t* full, uint64_t* empty, int seq0, int k_steps,
+                                          uint32_t a_part, const Scales& scales, int consumer,
                                           int last_seq) {
   using namespace hopper;
-  using S = Shape<BN, kCoop, kBlocks>;
   using Op = Operand<In>;
+  constexpr bool kBlocks = S::kBlockScales;
+  constexpr int BN = S::kN;
   const int lane = threadIdx.x & 31;
   int prev = -1;
   if constexpr (kBlocks) {
 #pragma unroll
-    for (int sub = 0; sub < kSubs; ++sub)
+    for (int sub = 0; sub < S::kSubs; ++sub)
 #pragma unroll
       for (int e = 0; e < BN / 2; ++e) acc[sub][e] = 0.f;
   }
@@ -319,7 +494,7 @@ __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
     for (int kk = 0; kk < kRowBytes / 32; ++kk) {
       const uint64_t bd = smem_desc_k128(b0 + kk * 32);
 #pragma unroll
-      for (int sub = 0; sub < kSubs; ++sub) {
+      for (int sub = 0; sub < S::kSubs; ++sub) {
         const uint64_t ad = smem_desc_k128(a0 + sub * kHalfM * kRowBytes + kk * 32);
         if constexpr (kBlocks)
           Wgmma<BN>::template mma<Op::kMma>(part[sub], ad, bd, kk != 0);
@@ -331,30 +506,17 @@ __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
     if constexpr (kBlocks && kCoop)
       if (consumer == 0 || seq < last_seq) bar_arrive(2 - consumer, 256);
     if constexpr (kBlocks) {
-      const float sw = ws != nullptr ? __ldg(ws + kt) : 0.f;  // loaded while the MMAs run
+      const auto block_scales = scales.load(kt);  // loaded while the MMAs run
       wgmma_wait<0>();
 #pragma unroll
-      for (int sub = 0; sub < kSubs; ++sub) fence_regs(part[sub]);
-      // Accumulator element 4 j + 2 h + c holds token 8 j + 2 (lane % 4) + c.
-      const float* xs =
-          reinterpret_cast<const float*>(s_smem + s * S::kSStage) + lead + 2 * (lane & 3);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const float s0 = xs[8 * j] * sw, s1 = xs[8 * j + 1] * sw;
-#pragma unroll
-        for (int sub = 0; sub < kSubs; ++sub) {
-          acc[sub][4 * j] = fmaf(part[sub][4 * j], s0, acc[sub][4 * j]);
-          acc[sub][4 * j + 1] = fmaf(part[sub][4 * j + 1], s1, acc[sub][4 * j + 1]);
-          acc[sub][4 * j + 2] = fmaf(part[sub][4 * j + 2], s0, acc[sub][4 * j + 2]);
-          acc[sub][4 * j + 3] = fmaf(part[sub][4 * j + 3], s1, acc[sub][4 * j + 3]);
-        }
-      }
-      __syncwarp();  // every lane read the slot's scales
+      for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(part[sub]);
+      scales.apply(acc, part, block_scales, s);
+      __syncwarp();  // every lane read the slot (its scales, where the stage holds them)
       if (lane == 0) mbar_arrive(&empty[s]);
     } else {
       wgmma_wait<1>();  // the previous step's MMAs are done: release its slot
 #pragma unroll
-      for (int sub = 0; sub < kSubs; ++sub) fence_regs(acc[sub]);
+      for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(acc[sub]);
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       prev = s;
     }
@@ -362,14 +524,14 @@ __device__ __forceinline__ int main_loop(float (&acc)[kSubs][BN / 2],
   return prev;
 }
 
-template <typename T, typename In, int BN, bool kCoop, bool kBlocks>
+template <typename T, typename In, int BN, bool kCoop, bool kBlocks, bool kTokensM>
 __global__ void __launch_bounds__(kThreads, 1)
     fit_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap x_map,
                     const __grid_constant__ CUtensorMap s_map, const FitGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
-  using S = Shape<BN, kCoop, kBlocks>;
+  using S = Shape<BN, kCoop, kBlocks, kTokensM>;
   using Op = Operand<In>;
   static_assert(!kBlocks || Op::kFp8, "block scales are e4m3 operands'");
   // Dynamic shared memory starts 1024-byte aligned (no static shared memory here): the
@@ -377,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* a_smem = smem;
   uint8_t* b_smem = a_smem + S::kStages * S::kAStage;
-  uint8_t* s_smem = b_smem + S::kStages * S::kBStage;  // kBlocks: the tokens' scales
+  uint8_t* s_smem = b_smem + S::kStages * S::kBStage;  // kScaleStage: the tokens' scales
   uint8_t* epi = s_smem + S::kStages * S::kSStage;
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + S::kEpiBytes);
   uint64_t* empty = full + S::kStages;
@@ -401,21 +563,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       prefetch_map(&w_map);
       prefetch_map(&x_map);
-      if constexpr (kBlocks) prefetch_map(&s_map);
+      if constexpr (S::kScaleStage) prefetch_map(&s_map);
       for (int i = 0; i < local_tiles; ++i) {
         int mt, nt;
         tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-        const int x_row = tile_x_row(p, nt, BN);
+        const int x_row = tile_x_row(p, nt, S::kTileTokens);
+        const int w_row = mt * S::kTileWeights;
+        // A (the MMA's M operand) and B: the weight's rows and the tokens, or the other way.
+        const CUtensorMap* a_map = kTokensM ? &x_map : &w_map;
+        const CUtensorMap* b_map = kTokensM ? &w_map : &x_map;
+        const int a_row = kTokensM ? x_row : w_row, b_row = kTokensM ? w_row : x_row;
         for (int kt = 0; kt < k_steps; ++kt) {
           const int seq = i * k_steps + kt;
           const int s = seq % S::kStages, fill = seq / S::kStages;
           if (fill > 0) mbar_wait(&empty[s], (fill - 1) & 1);
-          mbar_arrive_expect_tx(&full[s],
-                                S::kAStage + S::kBStage + (kBlocks ? S::kScaleBox * 4 : 0));
-          tma_load_2d(a_smem + s * S::kAStage, &w_map, kt * Op::kStageK, mt * S::kTileM,
-                      &full[s]);
-          tma_load_2d(b_smem + s * S::kBStage, &x_map, kt * Op::kStageK, x_row, &full[s]);
-          if constexpr (kBlocks)
+          mbar_arrive_expect_tx(&full[s], S::kAStage + S::kBStage +
+                                              (S::kScaleStage ? S::kScaleBox * 4 : 0));
+          tma_load_2d(a_smem + s * S::kAStage, a_map, kt * Op::kStageK, a_row, &full[s]);
+          tma_load_2d(b_smem + s * S::kBStage, b_map, kt * Op::kStageK, b_row, &full[s]);
+          if constexpr (S::kScaleStage)
             tma_load_2d(s_smem + s * S::kSStage, &s_map, x_row & -kScaleLead, kt, &full[s]);
         }
       }
@@ -425,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   regs_inc<kConsumerRegs>();
   const int consumer = wg - 1;
   uint8_t* stage = epi + consumer * 2 * S::kEpiBuffer;
-  const int col_part = kCoop ? consumer * S::kBM : 0;  // this consumer's weight rows in the tile
+  const int a_rows = kCoop ? consumer * S::kBM : 0;  // this consumer's rows of A in the tile
   int pass = 0;
   // e4m3 per tensor: the product of the two dequantization scales, applied to each finished
   // tile.
@@ -433,20 +599,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[S::kSubs][BN / 2];
   float part[S::kSubs][BN / 2];  // kBlocks: one K block's products
   for (int i = kCoop ? 0 : consumer; i < local_tiles; i += kCoop ? 1 : 2) {
-    const float* ws = nullptr;  // kBlocks: the K blocks' scales of this consumer's weight rows
-    int lead = 0;               // kBlocks: the tile's first token in the stage's scales
-    if constexpr (kBlocks) {
-      int mt, nt;
-      tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-      const int block = (mt * S::kTileM + col_part) / kBlockK;
-      if (block < p.w_blocks) ws = p.scale_inv[1] + static_cast<int64_t>(block) * p.ws_stride;
-      lead = tile_x_row(p, nt, BN) & (kScaleLead - 1);
-    }
     // Ping-pong: the other consumer waited for all of tile i - 1's slots.
     if (!kCoop && i > 0) bar_sync(1 + consumer, 256);
-    const int prev = main_loop<In, BN, kCoop, kBlocks>(
-        acc, part, a_smem, b_smem, s_smem, full, empty, i * k_steps, k_steps,
-        col_part * kRowBytes, ws, lead, consumer, local_tiles * k_steps - 1);
+    const auto run = [&](const auto& scales) {
+      return main_loop<In, S, kCoop>(acc, part, a_smem, b_smem, full, empty, i * k_steps,
+                                     k_steps, a_rows * kRowBytes, scales, consumer,
+                                     local_tiles * k_steps - 1);
+    };
+    int prev = -1;
+    {
+      // The tile's coordinates here and again for the epilogue: not held through the main loop
+      // (registers).
+      int mt, nt;
+      tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+      const int x_row = tile_x_row(p, nt, S::kTileTokens);
+      if constexpr (kTokensM) {
+        const int w_row = mt * BN;
+        const int row =
+            x_row + a_rows + 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+        with_block_offset<BN>(w_row % kBlockK, [&](auto r) {
+          run(RowScales<S, decltype(r)::value>(p, row, w_row));
+        });
+      } else if constexpr (kBlocks) {
+        const int block = (mt * S::kTileM + a_rows) / kBlockK;
+        run(ColScales<S>{
+            block < p.w_blocks ? p.scale_inv[1] + static_cast<int64_t>(block) * p.ws_stride
+                               : nullptr,
+            s_smem, x_row & (kScaleLead - 1)});
+      } else {
+        prev = run(NoScales{});
+      }
+    }
     if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
     if constexpr (!kBlocks) {
       wgmma_wait<0>();
@@ -454,16 +637,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(acc[sub]);
       if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[prev]);
     }
-    int mt, nt;
-    tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-    const int col0 = mt * S::kTileM + col_part;
     if constexpr (Op::kFp8 && !kBlocks) {
 #pragma unroll
       for (int sub = 0; sub < S::kSubs; ++sub)
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[sub][e] *= scale;
     }
-    epilogue<T, BN, S::kSubs>(p, acc, col0, nt, stage, consumer, pass);
+    int mt, nt;
+    tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+    // The consumer's first weight column and first token in the tile.
+    epilogue<T, S>(p, acc, mt * S::kTileWeights + (kTokensM ? 0 : a_rows), kTokensM ? a_rows : 0,
+                   nt, stage, consumer, pass);
   }
 #else
   __trap();  // sm_90a only: the launcher refuses other devices

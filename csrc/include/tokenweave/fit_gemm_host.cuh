@@ -1,8 +1,10 @@
 // Host side of the fitted communicating GEMM (fit_gemm.cuh): the operands' tensor maps and the
-// launch of the instantiation for the call's token extent BN. No torch here: ops.cu checks the
-// call and turns a status into a Python error. The instantiations compile in
-// csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16,e4m3_blocks_bf16,e4m3_blocks_fp16}.cu
-// (one operand dtype, scaling and output dtype each, both modes, every BN).
+// launch of the instantiation for the call's extent BN (the tiles' tokens, or with the tokens as
+// M their weight rows). No torch here: ops.cu checks the call and turns a status into a Python
+// error. The instantiations compile in csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16,
+// e4m3_blocks_bf16,e4m3_blocks_fp16}.cu (one operand dtype, scaling and output dtype each, both
+// modes, every BN) and, tokens as M, csrc/launch_fit_gemm_e4m3_blocks_tokens_m_{bf16,fp16}.cu
+// (both modes, the weight extents of TokensMExtents).
 #pragma once
 
 #include <cuda.h>
@@ -80,42 +82,55 @@ inline bool make_scale_map(CUtensorMap* map, const float* ptr, int64_t cols, int
                    CU_TENSOR_MAP_L2_PROMOTION_NONE);
 }
 
-// The instantiations: BN = 8 * q for q in kMinBN / 8 .. kMax / 8.
-template <typename F, int... Q>
-bool with_bn_impl(int bn, F&& f, std::integer_sequence<int, Q...>) {
-  return ((bn == 8 * (Q + kMinBN / 8) ? (f(std::integral_constant<int, 8 * (Q + kMinBN / 8)>{}),
-                                         true)
-                                      : false) ||
-          ...);
+// f(std::integral_constant<int, v>{}) where v is one of V (false where it is none).
+template <typename F, int... V>
+bool with_value(int v, F&& f, std::integer_sequence<int, V...>) {
+  return ((v == V ? (f(std::integral_constant<int, V>{}), true) : false) || ...);
 }
-template <int kMax, typename F>
-bool with_bn(int bn, F&& f) {
-  return with_bn_impl(bn, std::forward<F>(f),
-                      std::make_integer_sequence<int, (kMax - kMinBN) / 8 + 1>{});
+template <int... V>
+constexpr bool one_of(int v, std::integer_sequence<int, V...>) {
+  return ((v == V) || ...);
 }
+
+// The token extents: 8 * q for q in kMinBN / 8 .. kMax / 8.
+template <int kMax, int... Q>
+constexpr auto bn_range(std::integer_sequence<int, Q...>) {
+  return std::integer_sequence<int, (kMinBN + 8 * Q)...>{};
+}
+template <int kMax>
+using BnRange =
+    decltype(bn_range<kMax>(std::make_integer_sequence<int, (kMax - kMinBN) / 8 + 1>{}));
+
+// Tokens as M: the weight extents instantiated (ops/segments.FIT_TOKENS_M_EXTENTS). Each takes a
+// main loop per place of a tile's first weight row in its block (fit_gemm.cuh RowScales):
+// kBlockK / gcd(BN, kBlockK) of them, so few extents with a large power of two.
+using TokensMExtents = std::integer_sequence<int, 64, 96, 128, 144, 160, 176, 192, 208>;
 
 // Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major In, their rows x_pitch and w_pitch
 // elements apart, rows of T into the inboxes (p.scale_inv set for e4m3 operands; kBlocks: x's
-// block scales at x_scales, `scale_cols` apart, and p.ws_stride / p.w_blocks the weight's), p's
-// geometry for tiles of bn tokens, on `ctas` persistent CTAs.
-template <typename T, typename In, bool kCoop, bool kBlocks>
+// block scales at x_scales, `scale_cols` apart (p.xs_stride), and p.ws_stride / p.w_blocks the
+// weight's), p's geometry for tiles of bn tokens (kTokensM: of bn weight rows, 64 tokens a
+// consumer), on `ctas` persistent CTAs. x's map ends at its x_rows rows: a tile's rows past them
+// land as zeros (never stored), so x needs no rows past the call's.
+template <typename T, typename In, bool kCoop, bool kBlocks, bool kTokensM>
 LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* w,
                     int64_t w_pitch, const float* x_scales, int64_t scale_cols,
                     const FitGemmParams& p, int bn, int ctas, cudaStream_t stream) {
   CUtensorMap w_map, x_map, s_map{};
   if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
-  const int tile_m = (kCoop ? 2 : 1) * consumer_rows(bn, kBlocks);
-  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, tile_m) ||
-      !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, bn) ||
-      (kBlocks && !make_scale_map(&s_map, x_scales, scale_cols,
-                                  (p.k + Operand<In>::kStageK - 1) / Operand<In>::kStageK,
-                                  bn + kScaleLead)))
+  // Rows of a tile's A (the MMA's M operand: the weight's, or with kTokensM the tokens').
+  const int tile_a = (kCoop ? 2 : 1) * (kTokensM ? kHalfM : consumer_rows(bn, kBlocks));
+  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, kTokensM ? bn : tile_a) ||
+      !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, kTokensM ? tile_a : bn) ||
+      (kBlocks && !kTokensM &&
+       !make_scale_map(&s_map, x_scales, scale_cols,
+                       (p.k + Operand<In>::kStageK - 1) / Operand<In>::kStageK, bn + kScaleLead)))
     return LaunchStatus::kTensorMap;
   cudaError_t err = cudaSuccess;
-  const bool known = with_bn<kBlocks ? kMaxBlocksBN : kMaxBN>(bn, [&](auto bn_c) {
+  const auto go = [&](auto bn_c) {
     constexpr int BN = decltype(bn_c)::value;
-    using S = Shape<BN, kCoop, kBlocks>;
-    auto kernel = fit_gemm_kernel<T, In, BN, kCoop, kBlocks>;
+    using S = Shape<BN, kCoop, kBlocks, kTokensM>;
+    auto kernel = fit_gemm_kernel<T, In, BN, kCoop, kBlocks, kTokensM>;
     // The shared-memory limit is an attribute of the function on each device: raised once per
     // device (a bit per device of this instantiation).
     static std::atomic<uint64_t> raised{0};
@@ -131,7 +146,12 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
     const int grid = p.tiles < ctas ? p.tiles : ctas;
     kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, s_map, p);
     err = cudaPeekAtLastError();  // left for the caller's message
-  });
+  };
+  bool known;
+  if constexpr (kTokensM)
+    known = with_value(bn, go, TokensMExtents{});
+  else
+    known = with_value(bn, go, BnRange<kBlocks ? kMaxBlocksBN : kMaxBN>{});
   if (!known) return LaunchStatus::kBadBN;
   return err == cudaSuccess ? LaunchStatus::kOk : LaunchStatus::kCuda;
 }
@@ -139,21 +159,25 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
 }  // namespace fit
 }  // namespace tokenweave
 
-// The instantiations of both modes for one output dtype, operand dtype and scaling (`extern`
-// where they are used, defined in csrc/launch_fit_gemm_*.cu, one translation unit each).
-#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In, BLOCKS)                                          \
-  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, false, BLOCKS>( \
-      const void*, int64_t, int64_t, const void*, int64_t, const float*, int64_t,             \
-      const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t);                         \
-  PREFIX template tokenweave::fit::LaunchStatus tokenweave::fit::launch<T, In, true, BLOCKS>(  \
+// The instantiations of both modes for one output dtype, operand dtype, scaling and layout
+// (`extern` where they are used, defined in csrc/launch_fit_gemm_*.cu, one translation unit
+// each).
+#define TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, COOP, BLOCKS, TOKENS_M)                          \
+  PREFIX template tokenweave::fit::LaunchStatus                                               \
+  tokenweave::fit::launch<T, In, COOP, BLOCKS, TOKENS_M>(                                     \
       const void*, int64_t, int64_t, const void*, int64_t, const float*, int64_t,             \
       const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t)
+#define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In, BLOCKS, TOKENS_M)                             \
+  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, false, BLOCKS, TOKENS_M);                            \
+  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, true, BLOCKS, TOKENS_M)
 
 #ifndef TOKENWEAVE_FIT_INSTANTIATE
-TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16, false);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __half, false);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, false);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, false);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, true);
-TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, true);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16, false, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __half, false, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, false, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, false, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, true, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, true, false);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, true, true);
+TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, true, true);
 #endif

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) building blocks of the warp-specialized GEMM (fit_gemm.cuh), beside the
 // mbarrier steps of bulk_copy.cuh: bulk tensor copies (TMA), named barriers, register
-// reallocation, transposing matrix stores and wgmma (bf16, fp16 or e4m3 operands) with any
-// instruction N (a multiple of 8 up to 208: the token extent of a tile is fitted to the call).
+// reallocation, matrix stores (as they are or transposed) and wgmma (bf16, fp16 or e4m3
+// operands) with any instruction N (a multiple of 8 up to 208: the extent of a tile fitted to
+// the call, its tokens' or, with the tokens as M, its weight rows').
 // Everything here is device code for sm_90a; fit_gemm.cuh compiles it only there.
 #pragma once
 
@@ -55,8 +56,19 @@ __device__ __forceinline__ uint64_t smem_desc_k128(uint32_t addr) {
 
 // Four (x4) or two (x2) 8 x 8 matrices of 16-bit elements, each thread holding row lane / 4,
 // columns 2 * (lane % 4) and + 1 of each (an mma accumulator fragment, two elements a register),
-// stored transposed: fragment column c of matrix i to the 16 bytes at the address lane 8 * i + c
-// gives.
+// stored as they are (fragment row r of matrix i to the 16 bytes at the address lane 8 * i + r
+// gives) or transposed (fragment column c to lane 8 * i + c's address).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ void stmatrix_x2(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(r0),
+               "r"(r1)
+               : "memory");
+}
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
                                                   uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),

@@ -3,6 +3,8 @@ block-scaled and per-tensor FP8 GEMMs beside; with --check each checked against 
 
 python docs/results/ab_blocks_scales/forced_extents.py --time --check --extents 104 208 \
     --tokens 4099 1000            (one process per build: PYTHONPATH=<the build's tree>)
+--tokens-m E ...: in blocks also the tokens as the MMA's M at these weight extents
+(ops/segments.FIT_TOKENS_M_EXTENTS), each mode (blkM<E>c / blkM<E>p).
 Without --time each kernel runs once, eager (for `ncu -k regex:fit_gemm_kernel`)."""
 import argparse
 
@@ -27,6 +29,7 @@ ap.add_argument("--tp", type=int, default=2)
 ap.add_argument("--tokens", type=int, nargs="+", default=[4099])
 ap.add_argument("--gemm", default="proj")
 ap.add_argument("--extents", type=int, nargs="+", default=[104])
+ap.add_argument("--tokens-m", type=int, nargs="+", default=[], metavar="EXTENT")
 ap.add_argument("--iters", type=int, default=20)
 a = ap.parse_args()
 load_extension()
@@ -45,14 +48,15 @@ for tokens in a.tokens:
         impls[f"cublas_{tag}"] = (lambda f=_scaled_mm(w, ops, out, tokens), xs=xs:
                                   [f(x) for x in xs])
         w_in = PaddedRows()(w)
-        for e in a.extents:
+        forced = [(e, False) for e in a.extents] + [(e, True) for e in a.tokens_m if blocks]
+        for e, tokens_m in forced:
             for coop in (True, False):
                 if not blocks and e > 176:
                     continue
-                tiles = fit_tiles(e, coop, FP8_BLOCK_K, blocks)
+                tiles = fit_tiles(e, coop, FP8_BLOCK_K, blocks, tokens_m)
                 s = segments(Layout.REPLICATED, a.tp, tokens, hidden=n, k=k, ctas=sms,
                              tiles=tiles)
-                name = f"{tag}{e}{'c' if coop else 'p'}"
+                name = f"{tag}{'M' if tokens_m else ''}{e}{'c' if coop else 'p'}"
                 def one(x, s=s, w=w_in, ops=ops, tokens=tokens, inbox=inbox):
                     return owner_gemm(x[:tokens], w, None, inbox, s, 0, sms, 1, fp8=ops)
                 impls[name] = lambda one=one, xs=xs: [one(x) for x in xs]
