@@ -140,6 +140,31 @@ def test_call_check_plot_draws_from_a_result(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_save_plot_keeps_the_figure_in_256_colours(tmp_path):
+    """Plots are saved as palette PNGs (the committed results travel to the device machine):
+    the figure's pixels survive (its size, colours beyond white) at under half the RGBA bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from megatron_tokenweave.bench.report import save_plot
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for k in range(8):
+        ax.plot(range(50), [(x * (k + 1)) % 17 for x in range(50)], marker="o", label=str(k))
+    ax.legend()
+    rgba, palette = tmp_path / "rgba.png", tmp_path / "palette.png"
+    fig.savefig(rgba, dpi=100)
+    save_plot(fig, str(palette), dpi=100)
+    plt.close(fig)
+    im = Image.open(palette)
+    assert im.mode == "P" and im.size == Image.open(rgba).size
+    assert len(im.convert("RGB").getcolors(256)) > 8
+    assert palette.stat().st_size < 0.5 * rgba.stat().st_size
+
+
 @pytest.mark.parametrize("te", [True, False])
 def test_fp8_rows_plot_draws_from_a_result(tmp_path, te):
     """The FP8-rows benchmark's plot, from a result of its schema (synthetic rows), with and

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.nocomm import no_tp_comm
-from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.report import save_plot, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
 from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision, fp8_fields
@@ -253,7 +253,7 @@ def _plot(result: dict, path: str) -> None:
             ax.set_ylabel(f"speed-up over {stock} (higher is better)")
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
 
 
 def parser() -> argparse.ArgumentParser:

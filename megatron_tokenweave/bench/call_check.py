@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tokenweave.bench import command_parser
-from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.report import save_plot, write_result
 from megatron_tokenweave.kernels.symmetric import ERROR_WORDS, PeerBuffer
 from megatron_tokenweave.ops.validate import Layout
 
@@ -159,7 +159,7 @@ def _plot(result: dict, path: str) -> None:
     ax.set_title(f"Call check cost, {result['gpu']} ({result['date']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path, dpi=120)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -39,7 +39,7 @@ import torch
 
 from megatron_tokenweave.bench import add_model_argument, command_parser
 from megatron_tokenweave.bench.nocomm import no_tp_comm
-from megatron_tokenweave.bench.report import grouped_bars, write_result
+from megatron_tokenweave.bench.report import grouped_bars, save_plot, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES
 from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision, fp8_fields
@@ -256,7 +256,7 @@ def _plot(result: dict, path: str) -> None:
                      f"({first['engine']} engine{graphs})")
     fig.suptitle(f"{rows[0]['model']} shapes, {rows[0]['layers']} layers, TP={rows[0]['tp']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
 
 
 def _plot_speedups(ax, speed: dict, stock: str, xlabel: str) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.call_check import LoopbackRanks
-from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.report import save_plot, write_result
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE, Fp8Rows, scale_stride
 from megatron_tokenweave.ops.validate import Layout
 
@@ -209,7 +209,7 @@ def _plot(result: dict, path: str) -> None:
     axes[-1].legend(fontsize=7)
     fig.suptitle(f"FP8 normed rows, local part, {result['gpu']} ({result['date']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path, dpi=120)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ from dataclasses import replace
 import torch
 
 from megatron_tokenweave.bench import add_sweep_arguments, command_parser
-from megatron_tokenweave.bench.report import write_result
+from megatron_tokenweave.bench.report import save_plot, write_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES
@@ -390,7 +390,7 @@ def _plot(result: dict, path: str) -> None:
         ax.set_xlabel("tokens")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_plot(fig, path, dpi=100)
 
 
 def _summary(us: dict) -> str:

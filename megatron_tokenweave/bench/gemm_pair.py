@@ -223,6 +223,8 @@ def _plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_tokenweave.bench.report import save_plot
+
     rows = result["rows"]
     keys = list(dict.fromkeys((r["model"], r["gemm"], r["layout"]) for r in rows))
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
@@ -240,7 +242,7 @@ def _plot(result: dict, path: str) -> None:
         ax.set_title(f"{model} {gemm}, {layout}, TP={result['rows'][0]['tp']}", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -373,6 +373,8 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_tokenweave.bench.report import save_plot
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     impls = {}
     for r in result["rows"]:
@@ -401,7 +403,7 @@ def plot(result: dict, path: str) -> None:
             title="overlap beside GEMM [T/2, H] x [H, 28672] (>1: overlap helps)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
 
 
 def parser() -> argparse.ArgumentParser:

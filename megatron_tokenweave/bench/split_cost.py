@@ -24,7 +24,7 @@ import contextlib
 import torch
 
 from megatron_tokenweave.bench import add_model_argument, add_sweep_arguments, command_parser
-from megatron_tokenweave.bench.report import grouped_bars, write_result
+from megatron_tokenweave.bench.report import grouped_bars, save_plot, write_result
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.models import SHAPES, Shape
 from megatron_tokenweave.precision import bench_precision
@@ -151,7 +151,7 @@ def _plot(result: dict, path: str) -> None:
             ax.set_xlabel("tokens")
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
 
 
 def parser() -> argparse.ArgumentParser:

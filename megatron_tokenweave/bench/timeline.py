@@ -80,6 +80,8 @@ def _draw(kernels: list[dict], out: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_tokenweave.bench.report import save_plot
+
     t0 = min(k["ts"] for k in kernels)
     span = max(k["ts"] + k["dur"] for k in kernels) - t0
     # The middle third of the block: the second of three layers.
@@ -103,7 +105,7 @@ def _draw(kernels: list[dict], out: str, title: str) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, list(colors), loc="upper right", ncol=4, fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_plot(fig, out, dpi=120)
 
 
 def parser() -> argparse.ArgumentParser:

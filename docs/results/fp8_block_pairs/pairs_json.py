@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 
+from megatron_tokenweave.bench.report import save_plot  # noqa: E402
+
 BUILDS = ("head", "tree")
 
 
@@ -64,7 +66,7 @@ def plot(rows: list[dict], gpu: str, date: str, path: str) -> None:
     ax.legend(fontsize=7)
     fig.suptitle(f"Fused op writing FP8 rows, local part, 16 CTAs ({gpu}, {date})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
 
 
 def main() -> None:
