@@ -1,27 +1,47 @@
 #!/bin/bash
 # A/B of the fused op's FP8-row forms on one GPU, run from the repo root on the device machine:
-# builds the checkout as it is ("tree") and a copy with the headers of OTHER_HEADERS overlaid on
-# csrc/include/tokenweave/ ("head"; e.g. `git show <commit>:csrc/include/tokenweave/X.cuh`
-# for each header the change touches, saved into that folder), both in place, in parallel; then
-# `bench fp8_rows` once per build and pass, passes head, tree, tree, head, each its own process.
-# Results: $OUT/fp8_rows_{head,tree}_{0,1}.json (combine with pairs_json.py).
-#   bash docs/results/fp8_block_pairs/ab.sh OTHER_HEADERS
+# the checkout as it is ("tree") and one copy per VARIANT, each VARIANT a .patch (or patches
+# joined by '+', applied in order) applied to the copy's code (named by the patches' file names)
+# or a folder of headers overlaid on
+# csrc/include/tokenweave/ (named by the folder's; e.g. `git show <commit>:csrc/include/tokenweave/X.cuh`
+# for each header a change touches, saved into it); all built in place, in parallel; then
+# `bench fp8_rows` once per build and pass, each its own process, passes in a balanced order
+# (tree, variants, variants reversed, tree).
+# Results: $OUT/fp8_rows_<build>_{0,1}.json (combine with ab_json.py).
+#   bash docs/results/fp8_block_pairs/ab.sh VARIANT...
 set -u
-other=${1:?usage: ab.sh OTHER_HEADERS}
+[ $# -ge 1 ] || { echo "usage: ab.sh VARIANT... (a .patch or a folder of headers)"; exit 2; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader
-rm -rf /tmp/ab_head && mkdir /tmp/ab_head
-cp -r setup.py README.md megatron_tokenweave csrc /tmp/ab_head/
-cp "$other"/*.cuh /tmp/ab_head/csrc/include/tokenweave/
-(cd /tmp/ab_head && MAX_JOBS=8 python3 setup.py build_ext --inplace > /tmp/ab_head.log 2>&1
- echo "head build rc=$?") &
-MAX_JOBS=8 python3 setup.py build_ext --inplace > /tmp/ab_tree.log 2>&1; echo "tree build rc=$?"
+jobs=$(( 16 / ($# + 1) )); [ "$jobs" -ge 2 ] || jobs=2
+names=(tree); dirs=(.)
+for v in "$@"; do
+  IFS=+ read -ra parts <<< "$v"
+  name=""; for part in "${parts[@]}"; do name+="${name:++}$(basename "${part%.patch}")"; done
+  dir=/tmp/ab_$name
+  rm -rf "$dir" && mkdir "$dir" && cp -r setup.py README.md megatron_tokenweave csrc "$dir"/
+  if [ -d "$v" ]; then
+    cp "$v"/*.cuh "$dir"/csrc/include/tokenweave/
+  else
+    for part in "${parts[@]}"; do
+      (cd "$dir" && git apply --include='csrc/*' --include='megatron_tokenweave/*' --exclude='*' \
+         "$OLDPWD/$part") || { echo "$part does not apply"; exit 1; }
+    done
+  fi
+  names+=("$name"); dirs+=("$dir")
+done
+for i in "${!dirs[@]}"; do
+  (cd "${dirs[$i]}" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace \
+     > "/tmp/ab_build_${names[$i]}.log" 2>&1; echo "${names[$i]} build rc=$?") &
+done
 wait; echo "built at $(( $(date +%s) - t0 )) s"
-bench() {  # bench DIR TAG
-  (cd "$1" && timeout 150 python3 -m megatron_tokenweave.bench fp8_rows --tp 2 4 --tokens 1024 8192 \
-     --hidden 4096 8192 --iters 20 --out "$out/fp8_rows_$2.json" 2>&1 | grep -v arn | tail -17)
-  echo "-- $2 at $(( $(date +%s) - t0 )) s"
+bench() {  # bench INDEX PASS
+  (cd "${dirs[$1]}" && timeout 150 python3 -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
+     --tokens 1024 8192 --hidden 4096 8192 --iters 20 --out "$out/fp8_rows_${names[$1]}_$2.json" \
+     2>&1 | grep -v arn | tail -17)
+  echo "-- ${names[$1]} pass $2 at $(( $(date +%s) - t0 )) s"
 }
-bench /tmp/ab_head head_0; bench . tree_0; bench . tree_1; bench /tmp/ab_head head_1
+for i in "${!dirs[@]}"; do bench "$i" 0; done
+for (( i = ${#dirs[@]} - 1; i >= 0; i-- )); do bench "$i" 1; done
