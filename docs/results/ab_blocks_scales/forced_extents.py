@@ -5,8 +5,12 @@ python docs/results/ab_blocks_scales/forced_extents.py --time --check --extents 
     --tokens 4099 1000            (one process per build: PYTHONPATH=<the build's tree>)
 --tokens-m E ...: in blocks also the tokens as the MMA's M at these weight extents
 (ops/segments.FIT_TOKENS_M_EXTENTS), each mode (blkM<E>c / blkM<E>p).
+--out PATH: the timed rows as JSON too.
 Without --time each kernel runs once, eager (for `ncu -k regex:fit_gemm_kernel`)."""
 import argparse
+import datetime
+import json
+import sys
 
 import torch
 
@@ -31,12 +35,14 @@ ap.add_argument("--gemm", default="proj")
 ap.add_argument("--extents", type=int, nargs="+", default=[104])
 ap.add_argument("--tokens-m", type=int, nargs="+", default=[], metavar="EXTENT")
 ap.add_argument("--iters", type=int, default=20)
+ap.add_argument("--out", help="with --time: also the rows as JSON (gemm_blocks_*_1gpu.json)")
 a = ap.parse_args()
 load_extension()
 dev = torch.device("cuda")
 sms = torch.cuda.get_device_properties(dev).multi_processor_count
 shape = SHAPES[a.model]
 k, n = layer_gemms(shape, a.tp)[a.gemm]
+rows: list[dict] = []
 for tokens in a.tokens:
     inbox = GemmInbox.loopback(a.tp, tokens, shape.hidden, torch.bfloat16, dev)
     alloc = max(cublas_rows(tokens), -(-tokens // 8) * 8 + 256)
@@ -85,4 +91,13 @@ for tokens in a.tokens:
         ref = cb if i.endswith("blk") or i.startswith("blk") else ct
         print(f"{a.model} {a.gemm} tp{a.tp} {tokens:6d} {i:12s} {t / CALLS:8.2f} us "
               f"x{ref / t:.3f} of cuBLAS", flush=True)
+        rows.append(dict(model=a.model, gemm=a.gemm, tp=a.tp, tokens=tokens, impl=i,
+                         us=round(t / CALLS, 2), x_cublas=round(ref / t, 3)))
     inbox.close()
+if a.out and rows:
+    with open(a.out, "w") as fh:
+        json.dump({"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+                   "command": "python " + " ".join(sys.argv),
+                   "shape": f"{a.model} {a.gemm} at TP {a.tp} (K {k}, N {n}), replicated; CUDA "
+                            f"graphs of {CALLS} calls, interleaved medians of {a.iters} replays",
+                   "rows": rows}, fh, indent=1)
