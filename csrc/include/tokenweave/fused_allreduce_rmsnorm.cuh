@@ -62,6 +62,13 @@ struct FusedParams {
                               // normed_local holds e4m3 rows of `hidden` bytes (fp8_rows.cuh)
 };
 
+// This rank's own partial (partial[0][0][0] in its data region), from the bases: a kernel that
+// indexed its peers' pointer array by the rank at run time (`data[p.rank]`) put that array in
+// local memory and read it back on every row.
+__device__ __forceinline__ const char* own_partial(const FusedParams& p) {
+  return reinterpret_cast<const char*>(p.bases[p.rank]) + p.partial_off;
+}
+
 // Whether the kernel stores normed rows to the peers itself (sequence parallel).
 __device__ __forceinline__ bool stores_to_peers(const FusedParams& p) {
   return !p.copy_engine && !p.local_stores_only;

@@ -186,9 +186,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const bool ok = e != 0 && reduce_mine() &&
                   cta_barrier<true>(pads, p.rank, p.world, blockIdx.x, e, 0u, p.timeout_ns,
                                     &s_fail);
-  if (ok && !sp)  // the own partial from the bases (data[p.rank]: data[] in local memory)
-    normalize_chunk_rows<T, kVpt>(p, reinterpret_cast<char*>(p.bases[p.rank]) + p.partial_off,
-                                  g.seg_rows);
+  if (ok && !sp) normalize_chunk_rows<T, kVpt>(p, own_partial(p), g.seg_rows);
   if (!ok) {
     if (sp)
       poison_outputs(p, nan_pair<T>());

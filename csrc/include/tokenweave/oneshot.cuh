@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   const int hv = p.hidden / kVecElems;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const char* mine = reinterpret_cast<const char*>(p.bases[p.rank]) + p.partial_off;
+  const char* mine = own_partial(p);
   const int64_t slot0 =
       kSignalBytes + static_cast<int64_t>(r % kOneShotRounds) * kOneShotBufferBytes;
   const int64_t tags0 = slot0 + kOneShotRoundBytes;

@@ -170,10 +170,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // 4. all rows of this CTA: residual_out and the norm, locally.
-  // The own partial from the bases, not data[p.rank]: a runtime index would put data[] in
-  // local memory, read back on every row of the reduce-scatter.
-  normalize_chunk_rows<T, kVpt>(p, reinterpret_cast<char*>(p.bases[p.rank]) + p.partial_off,
-                                chunk_rows);
+  normalize_chunk_rows<T, kVpt>(p, own_partial(p), chunk_rows);
 }
 
 }  // namespace tokenweave
