@@ -739,8 +739,8 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
                  fit::one_of(static_cast<int>(weight_rows), fit::TokensMExtents{}) &&
                  bn == fit::kHalfM * (coop + 1),
              "tokenweave: fit_gemm: the tokens as M take e4m3 operands in blocks, weight_rows "
-             "64, 96, 128, 144, 160, 176, 192 or 208 and block_rows 64 (ping-pong) or 128 "
-             "(cooperative); got weight_rows ", weight_rows, ", block_rows ", bn,
+             "one of ", fit::spelled(fit::TokensMExtents{}), " and block_rows 64 (ping-pong) or "
+             "128 (cooperative); got weight_rows ", weight_rows, ", block_rows ", bn,
              blocks ? "" : ", no block scales");
   } else {
     const int max_bn = blocks ? fit::kMaxBlocksBN : fit::kMaxBN;

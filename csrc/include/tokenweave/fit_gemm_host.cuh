@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -90,6 +91,13 @@ bool with_value(int v, F&& f, std::integer_sequence<int, V...>) {
 template <int... V>
 constexpr bool one_of(int v, std::integer_sequence<int, V...>) {
   return ((v == V) || ...);
+}
+// The values of V as text, comma-separated (error messages name what is instantiated).
+template <int... V>
+std::string spelled(std::integer_sequence<int, V...>) {
+  std::string s;
+  ((s += (s.empty() ? "" : ", ") + std::to_string(V)), ...);
+  return s;
 }
 
 // The token extents: 8 * q for q in kMinBN / 8 .. kMax / 8.

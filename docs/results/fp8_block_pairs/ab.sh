@@ -7,12 +7,13 @@
 # for each header a change touches, saved into it); all built in place, in parallel; then
 # `bench fp8_rows` once per build and pass, each its own process, passes in a balanced order
 # (tree, variants, variants reversed, tree).
-# Results: $OUT/fp8_rows_<build>_{0,1}.json (combine with ab_json.py).
+# Results: $OUT/fp8_rows_ab.tgz holding fp8_rows_<build>_{0,1}.json (combine with ab_json.py
+# after `tar xzf`): one file, as the device call returns few files and none with a '+' in its name.
 #   bash docs/results/fp8_block_pairs/ab.sh VARIANT...
 set -u
 [ $# -ge 1 ] || { echo "usage: ab.sh VARIANT... (a .patch or a folder of headers)"; exit 2; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-out=${OUT:-/tmp/out}; mkdir -p "$out"
+out=$(mktemp -d)
 t0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader
 jobs=$(( 16 / ($# + 1) )); [ "$jobs" -ge 2 ] || jobs=2
@@ -45,3 +46,4 @@ bench() {  # bench INDEX PASS
 }
 for i in "${!dirs[@]}"; do bench "$i" 0; done
 for (( i = ${#dirs[@]} - 1; i >= 0; i-- )); do bench "$i" 1; done
+tar czf "${OUT:-/tmp}/fp8_rows_ab.tgz" -C "$out" $(cd "$out" && ls fp8_rows_*.json)

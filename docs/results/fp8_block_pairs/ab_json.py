@@ -61,13 +61,15 @@ def plot(builds: list[str], base: str, rows: list[dict], gpu: str, date: str, pa
     ax = axes[2]
     others = [(b, p) for b in builds if b != base for p in (0, 1)]
     width = 0.8 / max(len(others), 1)
+    top = 1.05
     for i, (b, p) in enumerate(others):
         ratio = [pick(rows, b, p, k, "tensor", "op_us") / pick(rows, base, p, k, "tensor", "op_us")
                  for k in keys]
+        top = max(top, max(ratio) + 0.01)
         ax.bar([xi + (i - (len(others) - 1) / 2) * width for xi in x], ratio, width,
                label=f"{b} pass {p}")
     ax.axhline(1, color="k", lw=1)
-    ax.set_ylim(0.85, 1.05)
+    ax.set_ylim(0.85, top)
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel(f"op_us build / {base} (bf16 rows)")
     ax.set_title(f"the op alone, against {base}")
