@@ -8,7 +8,9 @@
 # multimem code's multimem.ld_reduce and multimem.st, the fitted GEMM's e4m3 wgmma of depth 32
 # (per tensor at its largest token extent, 176; in blocks at the largest of each consumer form,
 # 104 with 128 weight rows a consumer and 208 with 64; with the tokens as M at its smallest and
-# largest weight extents, 64 and 208, and the stmatrix that stages its rows as they are). A
+# largest weight extents, 64 and 208, and the stmatrix that stages its rows as they are; in
+# pairs of CTAs the weight's multicast copy, the release on the other CTA's barrier and the
+# cluster barrier). A
 # register spill in the fitted GEMM's sources is a failure; elsewhere a note (the fused op's
 # kernels of 4 and 8 vectors a thread, for hidden sizes over 8192, spill today).
 # Exits non-zero on any failure.
@@ -57,6 +59,7 @@ status=0
 # Sources whose sm_90 PTX must hold these instructions (compiled, never run here).
 declare -A PTX_NEEDS=(
   [csrc/launch_multimem.cu]="multimem.ld_reduce multimem.st"
+  [csrc/launch_fit_gemm_bf16.cu]="multicast::cluster mapa.shared::cluster.u32 mbarrier.arrive.release.cluster.shared::cluster.b64 barrier.cluster.wait.acquire.aligned"
   [csrc/launch_fit_gemm_e4m3_bf16.cu]="wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3"
   [csrc/launch_fit_gemm_e4m3_blocks_bf16.cu]="wgmma.mma_async.sync.aligned.m64n104k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3"
   [csrc/launch_fit_gemm_e4m3_blocks_tokens_m_bf16.cu]="wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3 stmatrix.sync.aligned.m8n8.x4.shared.b16"

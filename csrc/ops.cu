@@ -624,8 +624,9 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // one rank) into every owner's inbox slot. `regions`: each rank's inbox region as this rank maps
 // it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
 // slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start,
-// weight_rows] (weight_rows: 0, or with the tokens as the MMA's M, e4m3 in blocks, the tiles'
-// weight rows, block_rows then 64 tokens a consumer).
+// weight_rows] (cooperative: 0 ping-pong, 1 cooperative, 2 cooperative in pairs of CTAs sharing
+// each weight tile's loads, not in blocks; weight_rows: 0, or with the tokens as the MMA's M,
+// e4m3 in blocks, the tiles' weight rows, block_rows then 64 tokens a consumer).
 // bf16/fp16 operands: `scales` empty, rows of x's dtype (out_dtype none or that). e4m3 operands
 // (ops/fp8_operands.py): `scales` = [x's, the weight's scale_inv], per tensor one float32 each,
 // in blocks x's [ceil(K / 128), cols] (cols a multiple of 4, at least x's rows) and the
@@ -730,14 +731,17 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
            " groups ", step, " apart exceed x's ", x.size(0), " rows");
   TW_CHECK(row0 >= 0 && row0 + seg_rows <= slot_rows, "tokenweave: fit_gemm: inbox rows [",
            row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
-  TW_CHECK(coop == 0 || coop == 1, "tokenweave: fit_gemm: cooperative must be 0 or 1");
+  TW_CHECK(coop >= 0 && coop <= 2, "tokenweave: fit_gemm: cooperative must be 0, 1 or 2 (pairs)");
+  const bool pair = coop == 2;
+  TW_CHECK(!pair || (!blocks && ctas >= 2), "tokenweave: fit_gemm: pairs take 16-bit or per-tensor "
+           "e4m3 operands and at least 2 CTAs; got ", blocks ? "block scales, " : "", ctas, " CTAs");
   if (tokens_m) {
     // A tile's 64 or 128 token rows may reach past its group's and x's rows: x's tensor map ends
     // at x's rows (the copy engine fills zeros past them), the x scales past their columns are
     // read from the last one, and such rows are never stored, so x needs no extra rows.
     TW_CHECK(blocks && weight_rows > 0 && weight_rows <= fit::kMaxBlocksBN &&
                  fit::one_of(static_cast<int>(weight_rows), fit::TokensMExtents{}) &&
-                 bn == fit::kHalfM * (coop + 1),
+                 bn == fit::kHalfM * (coop + 1) && !pair,
              "tokenweave: fit_gemm: the tokens as M take e4m3 operands in blocks, weight_rows "
              "one of ", fit::spelled(fit::TokensMExtents{}), " and block_rows 64 (ping-pong) or "
              "128 (cooperative); got weight_rows ", weight_rows, ", block_rows ", bn,
@@ -779,7 +783,8 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   const int64_t tile_w =
       tokens_m ? weight_rows : (coop ? 2 : 1) * fit::consumer_rows(static_cast<int>(bn), blocks);
   p.m_tiles = static_cast<int>((n_out + tile_w - 1) / tile_w);
-  p.tiles = p.m_tiles * p.groups * p.group_tiles;
+  // Units of work: tiles, or in pairs a weight tile with two token tiles.
+  p.tiles = p.m_tiles * ((p.groups * p.group_tiles + (pair ? 1 : 0)) / (pair ? 2 : 1));
   p.start = static_cast<int>(start % (p.groups * p.group_tiles));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   // The instantiation's BN: the tiles' tokens, or with the tokens as M their weight rows.
@@ -793,12 +798,16 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
     using In = decltype(o);
     constexpr bool kBlocks = decltype(blocks_c)::value;
     constexpr bool kTokensM = decltype(tokens_m_c)::value;
-    const auto go = [&](auto coop_c) {
-      return fit::launch<T, In, decltype(coop_c)::value, kBlocks, kTokensM>(
-          x.data_ptr(), x.size(0), x.stride(0), weight.data_ptr(), weight.stride(0), x_scales,
-          scale_cols, p, b, g, stream);
+    const auto go = [&](auto coop_c, auto pair_c) {
+      return fit::launch<T, In, decltype(coop_c)::value, kBlocks, kTokensM,
+                         decltype(pair_c)::value>(x.data_ptr(), x.size(0), x.stride(0),
+                                                  weight.data_ptr(), weight.stride(0), x_scales,
+                                                  scale_cols, p, b, g, stream);
     };
-    return coop ? go(std::true_type{}) : go(std::false_type{});
+    if constexpr (!kBlocks)  // pairs: checked above to be none in blocks
+      if (pair) return go(std::true_type{}, std::true_type{});
+    return coop ? go(std::true_type{}, std::false_type{})
+                : go(std::false_type{}, std::false_type{});
   };
   const bool bf16 = dt == at::kBFloat16;
   const std::false_type no;

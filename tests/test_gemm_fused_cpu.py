@@ -376,6 +376,24 @@ def test_fitted_segments_are_released_by_their_consumer(layout):
         assert geo[11] * t.block_rows <= 3 * seg.rows < (geo[11] + 1) * t.block_rows
 
 
+def test_fitted_pairs_are_the_cooperative_mode_in_clusters():
+    """fit_tiles(pair=True): the cooperative mode's tiles, which the op takes as mode 2 (its
+    geometry's `cooperative` entry); never picked (fitted_tiles keeps pair off); refused for
+    the ping-pong mode, block scales and the tokens as M."""
+    t = fit_tiles(136, True, pair=True)
+    assert t.pair and t.cooperative and t.block_rows == 136
+    assert t.block_cols == fit_tiles(136, True).block_cols
+    seg = segments(Layout.REPLICATED, 2, 513, hidden=8192, k=4096, ctas=132, tiles=t)
+    assert seg.fitted_geometry(256, 0, 600, 2)[10] == 2
+    for rows in (513, 777, 1279, 5003):
+        assert not fitted_tiles(Layout.REPLICATED, 2, rows, 8192, 132).pair
+    for kwargs in (dict(cooperative=False), dict(blocks=True), dict(blocks=True, tokens_m=True)):
+        args = dict(cooperative=True) | kwargs
+        with pytest.raises(TokenWeaveInputError, match="pairs of CTAs"):
+            fit_tiles(128 if kwargs.get("tokens_m") else 96, args.pop("cooperative"),
+                      FP8_BLOCK_K, pair=True, **args)
+
+
 # --------------------------------------------------------------------------- emulation
 def _emulation_worker(rank: int, world: int) -> list[tuple]:
     """Per case: (layout, rows, split, bias, fitted tiles, max |got - want| / max |want| of
@@ -581,7 +599,8 @@ def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden
     """bench gemm_fused --breakdown's fitted variants: both modes, each at every forced extent
     up to the largest the call's operands take (FP8 in blocks: FIT_BLOCKS_MAX_ROWS) and at the
     extent its model picks for the call, each a tile the kernel takes (in blocks of 64 weight
-    rows a consumer past FIT_BLOCKS_HALVES_MAX_ROWS tokens), named apart."""
+    rows a consumer past FIT_BLOCKS_HALVES_MAX_ROWS tokens), named apart; not in blocks the
+    cooperative ones in pairs of CTAs as well."""
     from megatron_tokenweave.bench import gemm_fused
     from megatron_tokenweave.ops.segments import FIT_BLOCKS_HALVES_MAX_ROWS, FIT_MIN_ROWS, fit_pick
 
@@ -589,9 +608,12 @@ def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden
     names = [gemm_fused._tiles_name(t) for t in variants]
     assert len(set(names)) == len(names)
     for cooperative in (False, True):
-        mine = {t.block_rows for t in variants if t.cooperative == cooperative}
+        mine = {t.block_rows for t in variants if t.cooperative == cooperative and not t.pair}
         picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative, most, blocks)[1]
         assert mine == {*(r for r in gemm_fused.FIT_BREAKDOWN_ROWS if r <= most), picked}
+    pairs = {t.block_rows for t in variants if t.pair}
+    assert pairs == (set() if blocks else {t.block_rows for t in variants if t.cooperative})
+    assert all(t.cooperative for t in variants if t.pair)
     for t in variants:
         assert t.fitted and t.block_k == block_k
         rows = 64 if blocks and t.block_rows > FIT_BLOCKS_HALVES_MAX_ROWS else 128
@@ -626,7 +648,8 @@ def test_fitted_launcher_refuses_bad_input():
     taken); 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
     bias [N] of the rows' dtype; 16-byte starts; token extents in its range, a smaller one for
     e4m3 in blocks; the tokens as M in blocks only, at its weight extents and 64 tokens a
-    consumer; rows inside x and the slot)."""
+    consumer; pairs of CTAs in the cooperative mode, not in blocks, on at least 2 CTAs; rows
+    inside x and the slot)."""
     from dataclasses import replace
 
     from megatron_tokenweave.kernels.owner_gemm import check_fitted_gemm
@@ -642,15 +665,20 @@ def test_fitted_launcher_refuses_bad_input():
     tokens_m = fit_tiles(208, True, FP8_BLOCK_K, blocks=True, tokens_m=True)
     blocks_m = blocks | dict(seg=replace(seg, tiles=tokens_m))
 
+    pair = replace(seg, tiles=fit_tiles(136, True, pair=True))
+
     def check(args: dict) -> None:
         check_fitted_gemm(args["x"], args["w"], args["bias"], args["seg"], slot_rows=400,
-                          world=2, fp8=args["fp8"], out_dtype=args["out"])
+                          world=2, fp8=args["fp8"], out_dtype=args["out"],
+                          ctas=args.get("ctas", 132))
 
     check(base)  # calls it takes: 16-bit, padded rows, and e4m3 with bf16 rows and bias
     check(base | dict(x=torch.randn(300, 264, dtype=torch.bfloat16)[:, :256]))
     check(base | fp8 | dict(bias=torch.randn(512, dtype=torch.bfloat16)))
     check(base | blocks)
     check(base | blocks_m)
+    check(base | dict(seg=pair))  # pairs: 16-bit and per tensor
+    check(base | fp8 | dict(seg=pair))
     check(base | blocks_m | dict(seg=replace(seg, tiles=replace(tokens_m, cooperative=False,
                                                                  block_rows=64))))
     bad = [
@@ -681,6 +709,10 @@ def test_fitted_launcher_refuses_bad_input():
          "weight extents"),
         (blocks_m | dict(seg=replace(seg, tiles=replace(tokens_m, block_rows=64))),
          "64 tokens a consumer"),
+        (dict(seg=pair, ctas=1), "pairs of CTAs"),
+        (blocks | dict(seg=replace(seg, tiles=replace(pair.tiles, block_rows=104))),
+         "pairs of CTAs"),
+        (dict(seg=replace(seg, tiles=replace(pair.tiles, cooperative=False))), "pairs of CTAs"),
     ]
     for change, match in bad:
         with pytest.raises(TokenWeaveInputError, match=match):

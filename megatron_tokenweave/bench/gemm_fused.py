@@ -15,13 +15,16 @@ beside it, x padded ahead, outside the timed calls) and, where the fitted kernel
 kernel the policy did not pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per
 tensor, where the Triton pick is the ping-pong kernel, the one-consumer kernel's best tiles
 too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in each mode at its own
-extent to FIT_BLOCKS_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`).
+extent to FIT_BLOCKS_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`);
+where the fitted kernel's cooperative mode runs (not in blocks), its tiles in pairs of CTAs
+sharing each weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick).
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
 consumer a flag store per rank, timed with the consumer on two GPUs), with each tile shape
 forced (`tokenweave_tiles_<name>`), where the fitted kernel runs its tiles forced in both modes
-at FIT_BREAKDOWN_ROWS tokens and at its model's extent per mode (`tokenweave_fit<tokens>[c]`),
+at FIT_BREAKDOWN_ROWS tokens and at its model's extent per mode (`tokenweave_fit<tokens>[c]`;
+not in blocks the cooperative ones in pairs too, `c2`),
 and cuBLAS over the rows the picked tiles cover
 (`cublas_covered`: the call's rows rounded up to whole row blocks per segment, or to whole
 fitted tiles): whether a shortfall is the tile pick, the padded rows, or the kernel itself.
@@ -192,6 +195,12 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                     if tiles != seg.tiles:
                         other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
                             Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+        # the fitted kernel's cooperative tiles in pairs of CTAs (never the pick), beside it
+        fit_seg = seg if seg.tiles.fitted else other.get("tokenweave_fitted")
+        if fit_seg is not None and fit_seg.tiles.cooperative and fp8 != "blocks":
+            pair = replace(fit_seg.tiles, pair=True)
+            other[f"tokenweave_{_tiles_name(pair)}"] = segments(
+                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=pair)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
@@ -262,12 +271,15 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
 def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int, max_rows: int,
                      blocks: bool) -> list:
     """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens (up to max_rows)
-    and at the extent its model picks per mode (ops/segments.fit_pick): whether a shortfall is
-    the pick's extent or mode, or the kernel at any extent."""
+    and at the extent its model picks per mode (ops/segments.fit_pick), and, not in blocks, the
+    cooperative ones in pairs of CTAs too: whether a shortfall is the pick's extent or mode, or
+    the kernel at any extent."""
     rows = {cooperative: sorted({*(r for r in FIT_BREAKDOWN_ROWS if r <= max_rows), fit_pick(
         Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative, max_rows, blocks)[1]})
         for cooperative in (False, True)}
-    return [fit_tiles(r, c, block_k, blocks) for c, extents in rows.items() for r in extents]
+    pairs = [] if blocks else [fit_tiles(r, True, block_k, pair=True) for r in rows[True]]
+    return [fit_tiles(r, c, block_k, blocks) for c, extents in rows.items()
+            for r in extents] + pairs
 
 
 def _covered(seg, world: int) -> int:
@@ -280,9 +292,10 @@ def _covered(seg, world: int) -> int:
 
 def _tiles_name(tiles) -> str:
     """The Triton tiles' name (TILES; FP8's have deeper K blocks), or the fitted kernel's:
-    fit<tokens>, c if cooperative."""
+    fit<tokens>, c if cooperative, c2 if in pairs of CTAs."""
     if tiles.fitted:
-        return f"fit{tiles.block_rows}{'c' if tiles.cooperative else ''}"
+        mode = "c2" if tiles.pair else "c" if tiles.cooperative else ""
+        return f"fit{tiles.block_rows}{mode}"
     return next(name for name, t in TILES.items() if replace(t, block_k=tiles.block_k) == tiles)
 
 

@@ -171,7 +171,7 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
         if validate:
             check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world,
-                              None if fp8 is None else fp8.scaling, inbox.dtype)
+                              None if fp8 is None else fp8.scaling, inbox.dtype, ctas)
         torch.ops.tokenweave.fit_gemm(
             x, weight, bias, inbox.bases,
             seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas,
@@ -208,14 +208,15 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       seg: Segments, slot_rows: int, world: int, fp8: str | None = None,
-                      out_dtype: torch.dtype | None = None) -> None:
+                      out_dtype: torch.dtype | None = None, ctas: int = 2) -> None:
     """Raise TokenWeaveInputError for a call the fitted kernel cannot take (ops.cu checks the
     same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
     x's by default), or e4m3 ones scaled as fp8 names (ops/segments.FP8_SCALINGS; their
     scales are Fp8Operands.check's), 16-byte rows, row pitches and starts, its token extents
     (up to FIT_BLOCKS_MAX_ROWS in blocks; with the tokens as M, in blocks only, its weight
-    extents FIT_TOKENS_M_EXTENTS and FIT_TOKENS_M_ROWS tokens a consumer), the rows the segments
-    read and the inbox rows they fill. A tile's rows past x's are read as zeros (its tensor
+    extents FIT_TOKENS_M_EXTENTS and FIT_TOKENS_M_ROWS tokens a consumer; pairs of CTAs in the
+    cooperative mode, not in blocks, on at least 2 CTAs), the rows the segments read and the
+    inbox rows they fill. A tile's rows past x's are read as zeros (its tensor
     map ends there) and never stored, so x needs no rows past the call's."""
     out_dtype = out_dtype or x.dtype
     operand = FP8_DTYPE if fp8 else out_dtype
@@ -252,6 +253,10 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TokenWeaveInputError(
             f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}..{most}"
             f"{' (block scales)' if fp8 == 'blocks' else ''}, got {bn}")
+    if t.pair and (not t.cooperative or t.tokens_m or fp8 == "blocks" or ctas < 2):
+        raise TokenWeaveInputError(
+            f"the fitted GEMM's pairs of CTAs take its cooperative mode, 16-bit or per-tensor "
+            f"operands and at least 2 CTAs, got tiles {t}, {fp8 or out_dtype}, {ctas} CTAs")
     last = seg.input_rows(world)
     if last > x.shape[0] or seg.row0 + seg.rows > slot_rows:
         raise TokenWeaveInputError(

@@ -50,6 +50,7 @@ class GemmTiles:
     fitted: bool = False  # the CUDA kernel with tiles fitted to the call (`fitted_tiles`)
     cooperative: bool = False  # fitted: both consumers on one tile (`fit_tile_rows`)
     tokens_m: bool = False  # fitted, e4m3 in blocks: the tokens as the MMA's M (`fit_tiles`)
+    pair: bool = False  # fitted, cooperative, not in blocks: clusters of two CTAs (`fit_tiles`)
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
@@ -217,11 +218,18 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) 
 
 
 def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
-              blocks: bool = False, tokens_m: bool = False) -> GemmTiles:
+              blocks: bool = False, tokens_m: bool = False, pair: bool = False) -> GemmTiles:
     """The fitted kernel's tiles of a token extent in one mode (block_k: FP8_BLOCK_K for e4m3
     operands; blocks: scaled in blocks, `fit_tile_rows`). tokens_m (e4m3 in blocks): the
     tokens as the MMA's M, `extent` the tiles' weight rows (FIT_TOKENS_M_EXTENTS), their
-    tokens FIT_TOKENS_M_ROWS a consumer; a tiles object the kernel takes, never the pick."""
+    tokens FIT_TOKENS_M_ROWS a consumer; a tiles object the kernel takes, never the pick.
+    pair (the cooperative mode, 16-bit or e4m3 per tensor): clusters of two CTAs, each a token
+    tile of one weight tile whose loads they share (TMA multicast: a third fewer bytes from L2
+    a CTA; docs/kernel.md "One tile a CTA under Nsight Compute"); never the pick."""
+    if pair and (not cooperative or blocks or tokens_m):
+        raise TokenWeaveInputError(
+            f"pairs of CTAs take the fitted kernel's cooperative mode, not in blocks: got "
+            f"cooperative={cooperative}, blocks={blocks}, tokens_m={tokens_m}")
     if tokens_m:
         if not blocks or extent not in FIT_TOKENS_M_EXTENTS:
             raise TokenWeaveInputError(
@@ -232,7 +240,7 @@ def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
                          fitted=True, cooperative=cooperative, tokens_m=True)
     return GemmTiles(block_rows=extent, block_cols=fit_tile_rows(extent, cooperative, blocks),
                      block_k=block_k, stages=0, warps=4, consumers=2, fitted=True,
-                     cooperative=cooperative)
+                     cooperative=cooperative, pair=pair)
 
 
 def _call_rows(layout: Layout, world: int, rows: int) -> int:
@@ -398,7 +406,7 @@ class Segments:
         nxt = (rank + 1) % world
         start = nxt * group_tiles if self.sequence_parallel else nxt * self.rows // t.block_rows
         return [slots_off, rank, slot_rows, self.row0, self.first, self.step, groups, group_rows,
-                self.rows, t.block_rows, int(t.cooperative), start,
+                self.rows, t.block_rows, 2 if t.pair else int(t.cooperative), start,
                 t.block_cols if t.tokens_m else 0]
 
     def input_rows(self, world: int) -> int:

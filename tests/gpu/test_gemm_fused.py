@@ -394,15 +394,16 @@ def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative, dtype,
-                 bias_on, seed, pads=(0, 0)) -> str | None:
+                 bias_on, seed, pads=(0, 0), pair=False, ctas=132) -> str | None:
     """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`
-    (pads: elements past K in each row of x and of the weight): None if every owner's slot
-    holds exactly its rows, else what is wrong."""
+    (pads: elements past K in each row of x and of the weight; pair: the cooperative mode in
+    clusters of two CTAs; ctas: the persistent CTAs): None if every owner's slot holds exactly
+    its rows, else what is wrong."""
     from megatron_tokenweave.ops.segments import fit_tiles, segments
     from megatron_tokenweave.ops.validate import Layout
 
     dev = torch.device("cuda", 0)
-    tiles = fit_tiles(block_rows, cooperative)
+    tiles = fit_tiles(block_rows, cooperative, pair=pair)
     sp = layout is Layout.SEQUENCE_PARALLEL
     stride = rows + 5  # chunks of x apart by more than their rows (sequence parallel)
     seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, tiles=tiles, first=3,
@@ -415,7 +416,7 @@ def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative
         slots.fill_(float("nan"))
     torch.ops.tokenweave.fit_gemm(x, w, bias, inbox.bases,
                                   seg.fitted_geometry(inbox.slots_off, rank, inbox.slot_rows,
-                                                      world), 132, [], None)
+                                                      world), ctas, [], None)
     torch.cuda.synchronize()
     ref = x.float() @ w.float().t()
     if bias is not None:
@@ -487,6 +488,49 @@ def test_fitted_gemm_matches_reference():
                         failures.append((dtype, n, k, layout.value, world, rows, block_rows,
                                          cooperative, bad))
     print(f"fitted GEMM: {cases - len(failures)} of {cases} cases exact")
+    assert not failures, failures[:10]
+
+
+# (token extent, CTAs) of the fitted kernel's pairs of CTAs the pair test forces: token tile
+# counts odd (a pair's second tile none) and even; one unit of work a cluster or several (3 and
+# 6 CTAs: 1 and 3 clusters, the slot ring's phases turning over between units).
+FITTED_PAIR_SHAPES = ((72, 132), (136, 6), (176, 132), (176, 3))
+
+
+def test_fitted_gemm_pairs_match_reference():
+    """The cooperative mode in pairs of CTAs (fit_tiles(pair=True): clusters of two sharing
+    each weight tile's loads by TMA multicast, each slot released by both CTAs' consumers)
+    lands the rows test_fitted_gemm_matches_reference asks for, within its bounds, bf16 and
+    fp16, in both layouts, including weight tiles past N (N = 1000) and K with a tail; and e4m3
+    per tensor within the FP8 test's bounds. Nothing written where a pair's second token tile
+    is none."""
+    _skip_without_fitted()
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, fit_tiles
+
+    dev = torch.device("cuda", 0)
+    failures, cases, seed = [], 0, 5000
+    for dtype in (torch.bfloat16, torch.float16):
+        for (n, k) in ((8192, 4096), (1000, 200)):
+            for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
+                for block_rows, ctas in FITTED_PAIR_SHAPES:
+                    seed += 1
+                    bad = _fitted_case(inbox, layout, world, seed % world, rows, k, n,
+                                       block_rows, True, dtype, seed % 2 == 0, seed,
+                                       pair=True, ctas=ctas)
+                    cases += 1
+                    if bad:
+                        failures.append((dtype, n, k, layout.value, world, rows, block_rows,
+                                         ctas, bad))
+    for layout, world, inbox, rows in _loopback_calls(1024, torch.bfloat16, dev):
+        for block_rows, ctas in FITTED_PAIR_SHAPES:
+            seed += 1
+            bad, _ = _fp8_case(inbox, layout, world, 0, rows, 3584, 1024, False, seed % 2 == 0,
+                               seed, fit_tiles(block_rows, True, FP8_BLOCK_K, pair=True),
+                               ctas=ctas)
+            cases += 1
+            if bad:
+                failures.append(("e4m3", layout.value, world, rows, block_rows, ctas, bad))
+    print(f"fitted GEMM in pairs: {cases - len(failures)} of {cases} cases exact")
     assert not failures, failures[:10]
 
 
@@ -574,7 +618,7 @@ FP8_ACC = 2.0 ** -9
 
 
 def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
-              tiles=None, pads=(0, 0)) -> tuple[str | None, float]:
+              tiles=None, pads=(0, 0), ctas=132) -> tuple[str | None, float]:
     """One FP8 call of the communicating GEMM (tiles_for(fp8=...), or `tiles`) into a loopback
     inbox, as rank `rank`: None if every owner's slot holds its rows of the dequantized fp32
     product (Fp8Operands.dequantized, + bias) rounded once, within FP8_ACC of the products'
@@ -603,7 +647,7 @@ def _fp8_case(inbox, layout, world, rank, rows, k, n, blocks, bias_on, seed,
     bias = _gen(seed + 4, (n,), dtype, dev) if bias_on else None
     for slots in inbox.owner_slots:
         slots.fill_(float("nan"))
-    owner_gemm(_padded(x, pads[0]), _padded(w, pads[1]), bias, inbox, seg, 0, 132, 1, fp8=ops)
+    owner_gemm(_padded(x, pads[0]), _padded(w, pads[1]), bias, inbox, seg, 0, ctas, 1, fp8=ops)
     torch.cuda.synchronize()
     xf, wf = ops.dequantized(x, w)
     ref = xf @ wf.t()

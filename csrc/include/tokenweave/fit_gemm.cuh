@@ -38,6 +38,17 @@
 // 128 (cooperative), so a count's tail costs up to 63 or 127 padded rows a tile (what a
 // measurement is to weigh against the scales saved: docs/kernel.md "Speed, in blocks").
 //
+// Pairs (kPair; the cooperative mode, 16-bit or e4m3 per tensor): a cluster of two CTAs takes
+// one weight tile with two token tiles, each CTA copying half of each stage's weight rows into
+// both CTAs' shared memory (TMA multicast) and its own tokens, so a CTA reads a third fewer
+// bytes from L2 a stage. Why: at one tile a CTA the kernel's tensor pipes wait for their
+// operands (docs/kernel.md, "One tile a CTA under Nsight Compute": 1.57x cuBLAS's L2 bytes, its
+// kernel there on clusters of two). A slot is refilled only after both CTAs' consumers released
+// it (each consumer warp arrives on both CTAs' `empty` barrier), and a producer waits for the last
+// releases of every slot before its CTA exits (the other CTA's consumers arrive on its barriers).
+// Where the count of token tiles is odd, a pair's second tile is none: that CTA computes an
+// existing token tile again (the weight's loads are shared) and stores nothing.
+//
 // Structure (one CTA per SM, persistent, 384 threads):
 // - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
 //   with TMA into a ring of kStages slots (the weight's box of 128 or 256 rows and the tokens'
@@ -127,10 +138,11 @@ __host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
 // kCoop: both consumers on one tile of 2 x kBM rows of A (each its own kBM); else each its own
 // tiles of kBM rows of A, alternating ("ping-pong"). kBlocks without kTokensM: a stage also
 // holds the tile's tokens' scales of its K block (BN fp32).
-template <int BN, bool kCoop, bool kBlocks = false, bool kTokensM = false>
+template <int BN, bool kCoop, bool kBlocks = false, bool kTokensM = false, bool kPair = false>
 struct Shape {
   static constexpr int kN = BN;
-  static constexpr bool kBlockScales = kBlocks, kTokensAsM = kTokensM;
+  static constexpr bool kBlockScales = kBlocks, kTokensAsM = kTokensM, kPairs = kPair;
+  static constexpr int kCtas = kPair ? 2 : 1;  // CTAs a cluster
   static constexpr int kBM = kTokensM ? kHalfM : consumer_rows(BN, kBlocks);
   static constexpr int kSubs = kBM / kHalfM;  // m64 wgmma per 32 bytes of K
   static constexpr int kTileM = kCoop ? 2 * kBM : kBM;
@@ -159,6 +171,7 @@ struct Shape {
                 "BN: a multiple of 8 in kMinBN..kMaxBN (kMaxBlocksBN in blocks)");
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(!kTokensM || kBlocks, "tokens as M: e4m3 operands in blocks only");
+  static_assert(!kPair || (kCoop && !kBlocks), "pairs: the cooperative mode, not in blocks");
   static_assert(!kScaleStage || kBlockK % kBM == 0, "a consumer's weight rows: one scale block");
 };
 
@@ -175,15 +188,29 @@ struct Operand {
                 "operands: bf16, fp16 or e4m3");
 };
 
-// (weight tile, token tile) of a linear tile index.
-__device__ __forceinline__ void tile_coords(const FitGemmParams& p, int tile, int& mt, int& nt) {
+// (weight tile, token tile) of this CTA's i-th unit of work (units: p.tiles, kCtas token tiles
+// of one weight tile each, the cluster's CTAs one token tile each, rank blockIdx.x % kCtas).
+// False where the unit has no such token tile (pairs over an odd count of token tiles).
+template <int kCtas>
+__device__ __forceinline__ bool tile_coords(const FitGemmParams& p, int i, int& mt, int& nt) {
+  const int unit = blockIdx.x / kCtas + i * (gridDim.x / kCtas);
   const int n_tiles = p.groups * p.group_tiles;
-  const int per_group = kGroupM * n_tiles;
-  const int first_m = (tile / per_group) * kGroupM;
+  const int per_group = kGroupM * ((n_tiles + kCtas - 1) / kCtas);
+  const int first_m = (unit / per_group) * kGroupM;
   const int size = min(p.m_tiles - first_m, kGroupM);
-  const int in_group = tile % per_group;
+  const int in_group = unit % per_group;
   mt = first_m + in_group % size;
-  nt = (in_group / size + p.start) % n_tiles;
+  const int j = kCtas * (in_group / size) + static_cast<int>(blockIdx.x % kCtas);
+  nt = (j + p.start) % n_tiles;
+  return kCtas == 1 || j < n_tiles;
+}
+
+// A consumer warp's release of a slot (lane 0): in pairs on both CTAs' barriers, as the other
+// CTA's copies fill this CTA's slot too.
+template <typename S>
+__device__ __forceinline__ void release_slot(uint64_t* bar) {
+  mbar_arrive(bar);
+  if constexpr (S::kPairs) hopper::mbar_arrive_cluster(bar, (blockIdx.x & 1) ^ 1);
 }
 
 // The x row of a token tile's first token.
@@ -517,21 +544,21 @@ __device__ __forceinline__ int main_loop(float (&acc)[S::kSubs][S::kN / 2],
       wgmma_wait<1>();  // the previous step's MMAs are done: release its slot
 #pragma unroll
       for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(acc[sub]);
-      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      if (prev >= 0 && lane == 0) release_slot<S>(&empty[prev]);
       prev = s;
     }
   }
   return prev;
 }
 
-template <typename T, typename In, int BN, bool kCoop, bool kBlocks, bool kTokensM>
+template <typename T, typename In, int BN, bool kCoop, bool kBlocks, bool kTokensM, bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     fit_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap x_map,
                     const __grid_constant__ CUtensorMap s_map, const FitGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
-  using S = Shape<BN, kCoop, kBlocks, kTokensM>;
+  using S = Shape<BN, kCoop, kBlocks, kTokensM, kPair>;
   using Op = Operand<In>;
   static_assert(!kBlocks || Op::kFp8, "block scales are e4m3 operands'");
   // Dynamic shared memory starts 1024-byte aligned (no static shared memory here): the
@@ -546,17 +573,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = threadIdx.x / 128;
   const int k_steps = (p.k + Op::kStageK - 1) / Op::kStageK;
+  // This CTA's units of work (tile_coords): its cluster's, clusters of S::kCtas CTAs.
+  const unsigned unit0 = blockIdx.x / S::kCtas;
   const int local_tiles =
-      blockIdx.x < p.tiles ? (p.tiles - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
+      unit0 < p.tiles ? (p.tiles - 1 - static_cast<int>(unit0)) / (gridDim.x / S::kCtas) + 1 : 0;
   if (threadIdx.x == 0) {
     if (smem_addr(smem) & 1023) __trap();  // the swizzled stages would read the wrong bytes
     for (int s = 0; s < S::kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kCoop ? 8 : 4);  // lane 0 of each warp that reads the slot
+      // Lane 0 of each warp that reads the slot, in pairs in both CTAs.
+      mbar_init(&empty[s], (kCoop ? 8 : 4) * S::kCtas);
     }
     fence_mbar_init();
   }
-  __syncthreads();
+  // Pairs: the other CTA's barriers are initialized before this CTA's copies or releases reach
+  // them.
+  if constexpr (kPair)
+    cluster_sync();
+  else
+    __syncthreads();
 
   if (wg == 0) {
     regs_dec<kProducerRegs>();
@@ -566,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (S::kScaleStage) prefetch_map(&s_map);
       for (int i = 0; i < local_tiles; ++i) {
         int mt, nt;
-        tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+        tile_coords<S::kCtas>(p, i, mt, nt);
         const int x_row = tile_x_row(p, nt, S::kTileTokens);
         const int w_row = mt * S::kTileWeights;
         // A (the MMA's M operand) and B: the weight's rows and the tokens, or the other way.
@@ -579,11 +614,23 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (fill > 0) mbar_wait(&empty[s], (fill - 1) & 1);
           mbar_arrive_expect_tx(&full[s], S::kAStage + S::kBStage +
                                               (S::kScaleStage ? S::kScaleBox * 4 : 0));
-          tma_load_2d(a_smem + s * S::kAStage, a_map, kt * Op::kStageK, a_row, &full[s]);
+          if constexpr (kPair)  // this CTA's half of the weight rows, into both CTAs
+            tma_load_2d_multicast(a_smem + s * S::kAStage + (blockIdx.x & 1) * (S::kAStage / 2),
+                                  a_map, kt * Op::kStageK,
+                                  a_row + (blockIdx.x & 1) * (S::kTileM / 2), &full[s], 0x3);
+          else
+            tma_load_2d(a_smem + s * S::kAStage, a_map, kt * Op::kStageK, a_row, &full[s]);
           tma_load_2d(b_smem + s * S::kBStage, b_map, kt * Op::kStageK, b_row, &full[s]);
           if constexpr (S::kScaleStage)
             tma_load_2d(s_smem + s * S::kSStage, &s_map, x_row & -kScaleLead, kt, &full[s]);
         }
+      }
+      if constexpr (kPair) {
+        // Every slot's last fill released by both CTAs' consumers before this CTA exits: the
+        // other CTA's consumers arrive on these barriers.
+        const int total = local_tiles * k_steps;
+        for (int seq = total; seq < total + S::kStages; ++seq)
+          if (seq >= S::kStages) mbar_wait(&empty[seq % S::kStages], (seq / S::kStages - 1) & 1);
       }
     }
     return;
@@ -611,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The tile's coordinates here and again for the epilogue: not held through the main loop
       // (registers).
       int mt, nt;
-      tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
+      tile_coords<S::kCtas>(p, i, mt, nt);
       const int x_row = tile_x_row(p, nt, S::kTileTokens);
       if constexpr (kTokensM) {
         const int w_row = mt * BN;
@@ -635,7 +682,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
 #pragma unroll
       for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(acc[sub]);
-      if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[prev]);
+      if ((threadIdx.x & 31) == 0) release_slot<S>(&empty[prev]);
     }
     if constexpr (Op::kFp8 && !kBlocks) {
 #pragma unroll
@@ -644,10 +691,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < BN / 2; ++e) acc[sub][e] *= scale;
     }
     int mt, nt;
-    tile_coords(p, blockIdx.x + i * gridDim.x, mt, nt);
-    // The consumer's first weight column and first token in the tile.
-    epilogue<T, S>(p, acc, mt * S::kTileWeights + (kTokensM ? 0 : a_rows), kTokensM ? a_rows : 0,
-                   nt, stage, consumer, pass);
+    // The consumer's first weight column and first token in the tile (a pair's tile that is
+    // none: nothing stored).
+    if (tile_coords<S::kCtas>(p, i, mt, nt))
+      epilogue<T, S>(p, acc, mt * S::kTileWeights + (kTokensM ? 0 : a_rows),
+                     kTokensM ? a_rows : 0, nt, stage, consumer, pass);
   }
 #else
   __trap();  // sm_90a only: the launcher refuses other devices

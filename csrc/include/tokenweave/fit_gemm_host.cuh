@@ -3,7 +3,7 @@
 // M their weight rows). No torch here: ops.cu checks the call and turns a status into a Python
 // error. The instantiations compile in csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16,
 // e4m3_blocks_bf16,e4m3_blocks_fp16}.cu (one operand dtype, scaling and output dtype each, both
-// modes, every BN) and, tokens as M, csrc/launch_fit_gemm_e4m3_blocks_tokens_m_{bf16,fp16}.cu
+// modes, every BN; 16-bit and per tensor also the cooperative mode in pairs) and, tokens as M, csrc/launch_fit_gemm_e4m3_blocks_tokens_m_{bf16,fp16}.cu
 // (both modes, the weight extents of TokensMExtents).
 #pragma once
 
@@ -118,9 +118,10 @@ using TokensMExtents = std::integer_sequence<int, 64, 96, 128, 144, 160, 176, 19
 // elements apart, rows of T into the inboxes (p.scale_inv set for e4m3 operands; kBlocks: x's
 // block scales at x_scales, `scale_cols` apart (p.xs_stride), and p.ws_stride / p.w_blocks the
 // weight's), p's geometry for tiles of bn tokens (kTokensM: of bn weight rows, 64 tokens a
-// consumer), on `ctas` persistent CTAs. x's map ends at its x_rows rows: a tile's rows past them
-// land as zeros (never stored), so x needs no rows past the call's.
-template <typename T, typename In, bool kCoop, bool kBlocks, bool kTokensM>
+// consumer), on `ctas` persistent CTAs (kPair: clusters of two, p.tiles the pairs' units of
+// work). x's map ends at its x_rows rows: a tile's rows past them land as zeros (never stored),
+// so x needs no rows past the call's.
+template <typename T, typename In, bool kCoop, bool kBlocks, bool kTokensM, bool kPair>
 LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* w,
                     int64_t w_pitch, const float* x_scales, int64_t scale_cols,
                     const FitGemmParams& p, int bn, int ctas, cudaStream_t stream) {
@@ -128,7 +129,8 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
   if (encode_fn() == nullptr) return LaunchStatus::kNoDriverEntry;
   // Rows of a tile's A (the MMA's M operand: the weight's, or with kTokensM the tokens').
   const int tile_a = (kCoop ? 2 : 1) * (kTokensM ? kHalfM : consumer_rows(bn, kBlocks));
-  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, kTokensM ? bn : tile_a) ||
+  // Pairs: each CTA copies half of a tile's weight rows (into both CTAs).
+  if (!make_map<In>(&w_map, w, p.k, p.n_out, w_pitch, kTokensM ? bn : tile_a / (kPair ? 2 : 1)) ||
       !make_map<In>(&x_map, x, p.k, x_rows, x_pitch, kTokensM ? tile_a : bn) ||
       (kBlocks && !kTokensM &&
        !make_scale_map(&s_map, x_scales, scale_cols,
@@ -137,8 +139,8 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
   cudaError_t err = cudaSuccess;
   const auto go = [&](auto bn_c) {
     constexpr int BN = decltype(bn_c)::value;
-    using S = Shape<BN, kCoop, kBlocks, kTokensM>;
-    auto kernel = fit_gemm_kernel<T, In, BN, kCoop, kBlocks, kTokensM>;
+    using S = Shape<BN, kCoop, kBlocks, kTokensM, kPair>;
+    auto kernel = fit_gemm_kernel<T, In, BN, kCoop, kBlocks, kTokensM, kPair>;
     // The shared-memory limit is an attribute of the function on each device: raised once per
     // device (a bit per device of this instantiation).
     static std::atomic<uint64_t> raised{0};
@@ -151,9 +153,26 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
       if (err != cudaSuccess) return;
       raised.fetch_or(bit, std::memory_order_relaxed);
     }
-    const int grid = p.tiles < ctas ? p.tiles : ctas;
-    kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, s_map, p);
-    err = cudaPeekAtLastError();  // left for the caller's message
+    const int clusters = ctas / S::kCtas;
+    const int grid = (p.tiles < clusters ? p.tiles : clusters) * S::kCtas;
+    if constexpr (kPair) {
+      cudaLaunchAttribute cluster[1];
+      cluster[0].id = cudaLaunchAttributeClusterDimension;
+      cluster[0].val.clusterDim.x = S::kCtas;
+      cluster[0].val.clusterDim.y = 1;
+      cluster[0].val.clusterDim.z = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(grid);
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = S::kSmem;
+      config.stream = stream;
+      config.attrs = cluster;
+      config.numAttrs = 1;
+      err = cudaLaunchKernelEx(&config, kernel, w_map, x_map, s_map, p);
+    } else {
+      kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, s_map, p);
+      err = cudaPeekAtLastError();  // left for the caller's message
+    }
   };
   bool known;
   if constexpr (kTokensM)
@@ -170,14 +189,17 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
 // The instantiations of both modes for one output dtype, operand dtype, scaling and layout
 // (`extern` where they are used, defined in csrc/launch_fit_gemm_*.cu, one translation unit
 // each).
-#define TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, COOP, BLOCKS, TOKENS_M)                          \
+#define TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, COOP, BLOCKS, TOKENS_M, PAIR)                    \
   PREFIX template tokenweave::fit::LaunchStatus                                               \
-  tokenweave::fit::launch<T, In, COOP, BLOCKS, TOKENS_M>(                                     \
+  tokenweave::fit::launch<T, In, COOP, BLOCKS, TOKENS_M, PAIR>(                               \
       const void*, int64_t, int64_t, const void*, int64_t, const float*, int64_t,             \
       const tokenweave::fit::FitGemmParams&, int, int, cudaStream_t)
 #define TOKENWEAVE_FIT_LAUNCHERS(PREFIX, T, In, BLOCKS, TOKENS_M)                             \
-  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, false, BLOCKS, TOKENS_M);                            \
-  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, true, BLOCKS, TOKENS_M)
+  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, false, BLOCKS, TOKENS_M, false);                     \
+  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, true, BLOCKS, TOKENS_M, false)
+// The cooperative mode in pairs (not in blocks: operands 16-bit or e4m3 per tensor).
+#define TOKENWEAVE_FIT_PAIR_LAUNCHER(PREFIX, T, In) \
+  TOKENWEAVE_FIT_LAUNCHER(PREFIX, T, In, true, false, false, true)
 
 #ifndef TOKENWEAVE_FIT_INSTANTIATE
 TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_bfloat16, false, false);
@@ -188,4 +210,8 @@ TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, true, false);
 TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, true, false);
 TOKENWEAVE_FIT_LAUNCHERS(extern, __nv_bfloat16, __nv_fp8_e4m3, true, true);
 TOKENWEAVE_FIT_LAUNCHERS(extern, __half, __nv_fp8_e4m3, true, true);
+TOKENWEAVE_FIT_PAIR_LAUNCHER(extern, __nv_bfloat16, __nv_bfloat16);
+TOKENWEAVE_FIT_PAIR_LAUNCHER(extern, __half, __half);
+TOKENWEAVE_FIT_PAIR_LAUNCHER(extern, __nv_bfloat16, __nv_fp8_e4m3);
+TOKENWEAVE_FIT_PAIR_LAUNCHER(extern, __half, __nv_fp8_e4m3);
 #endif
