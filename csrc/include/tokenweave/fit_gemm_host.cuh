@@ -153,8 +153,7 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
       if (err != cudaSuccess) return;
       raised.fetch_or(bit, std::memory_order_relaxed);
     }
-    const int clusters = ctas / S::kCtas;
-    const int grid = (p.tiles < clusters ? p.tiles : clusters) * S::kCtas;
+    int clusters = ctas / S::kCtas;
     if constexpr (kPair) {
       cudaLaunchAttribute cluster[1];
       cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -162,14 +161,27 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
       cluster[0].val.clusterDim.y = 1;
       cluster[0].val.clusterDim.z = 1;
       cudaLaunchConfig_t config{};
-      config.gridDim = dim3(grid);
       config.blockDim = dim3(kThreads);
       config.dynamicSmemBytes = S::kSmem;
       config.stream = stream;
       config.attrs = cluster;
       config.numAttrs = 1;
+      // No more clusters than fit at once (both CTAs of one in a GPC: a GPC with an odd count
+      // of free SMs leaves one idle), so every cluster is persistent and none waits for a
+      // second wave. Queried once per device (a host query, no stream work).
+      static std::atomic<int> resident[64];
+      int fit = resident[device & 63].load(std::memory_order_relaxed);
+      if (fit == 0) {
+        config.gridDim = dim3(S::kCtas * clusters);
+        err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
+        if (err != cudaSuccess) return;
+        resident[device & 63].store(fit, std::memory_order_relaxed);
+      }
+      if (fit > 0 && fit < clusters) clusters = fit;
+      config.gridDim = dim3((p.tiles < clusters ? p.tiles : clusters) * S::kCtas);
       err = cudaLaunchKernelEx(&config, kernel, w_map, x_map, s_map, p);
     } else {
+      const int grid = (p.tiles < clusters ? p.tiles : clusters) * S::kCtas;
       kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, s_map, p);
       err = cudaPeekAtLastError();  // left for the caller's message
     }
