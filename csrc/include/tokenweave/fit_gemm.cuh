@@ -579,6 +579,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       unit0 < p.tiles ? (p.tiles - 1 - static_cast<int>(unit0)) / (gridDim.x / S::kCtas) + 1 : 0;
   if (threadIdx.x == 0) {
     if (smem_addr(smem) & 1023) __trap();  // the swizzled stages would read the wrong bytes
+    // Pairs: the copies and releases address the other CTA by blockIdx.x's parity (a launch
+    // without clusters of two would reach a CTA that is not there).
+    if constexpr (kPair)
+      if (cluster_ctas() != S::kCtas) __trap();
     for (int s = 0; s < S::kStages; ++s) {
       mbar_init(&full[s], 1);
       // Lane 0 of each warp that reads the slot, in pairs in both CTAs.

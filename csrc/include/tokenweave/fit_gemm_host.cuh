@@ -171,10 +171,11 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
       // second wave. Queried once per device (a host query, no stream work).
       static std::atomic<int> resident[64];
       int fit = resident[device & 63].load(std::memory_order_relaxed);
-      if (fit == 0) {
+      if (fit == 0) {  // -1: the query found none (the launch then reports why)
         config.gridDim = dim3(S::kCtas * clusters);
         err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
         if (err != cudaSuccess) return;
+        if (fit == 0) fit = -1;
         resident[device & 63].store(fit, std::memory_order_relaxed);
       }
       if (fit > 0 && fit < clusters) clusters = fit;

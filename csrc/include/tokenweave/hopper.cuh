@@ -37,12 +37,20 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
 }
 
 // An arrival on the barrier at `bar`'s offset in CTA `cta` of the cluster (a consumer releasing
-// a slot the other CTA's copies also fill), released at cluster scope.
+// a slot the other CTA's copies also fill). The default semantics (release at CTA scope), as
+// for the local arrival: the wgmma reads it orders are complete (waited for) before it, and a
+// cluster-scope release compiles to a GPU-wide memory barrier before every arrival.
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// CTAs in this CTA's cluster.
+__device__ __forceinline__ uint32_t cluster_ctas() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
 }
 
 // Every thread of the cluster's CTAs: what each did before (barrier inits included) is seen by
