@@ -171,7 +171,7 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
         if validate:
             check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world,
-                              None if fp8 is None else fp8.scaling, inbox.dtype, ctas)
+                              None if fp8 is None else fp8.scaling, inbox.dtype, ctas=ctas)
         torch.ops.tokenweave.fit_gemm(
             x, weight, bias, inbox.bases,
             seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas,
@@ -208,7 +208,7 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       seg: Segments, slot_rows: int, world: int, fp8: str | None = None,
-                      out_dtype: torch.dtype | None = None, ctas: int = 2) -> None:
+                      out_dtype: torch.dtype | None = None, *, ctas: int) -> None:
     """Raise TokenWeaveInputError for a call the fitted kernel cannot take (ops.cu checks the
     same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
     x's by default), or e4m3 ones scaled as fp8 names (ops/segments.FP8_SCALINGS; their

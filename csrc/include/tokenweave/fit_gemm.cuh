@@ -141,7 +141,7 @@ __host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
 template <int BN, bool kCoop, bool kBlocks = false, bool kTokensM = false, bool kPair = false>
 struct Shape {
   static constexpr int kN = BN;
-  static constexpr bool kBlockScales = kBlocks, kTokensAsM = kTokensM, kPairs = kPair;
+  static constexpr bool kBlockScales = kBlocks, kTokensAsM = kTokensM;
   static constexpr int kCtas = kPair ? 2 : 1;  // CTAs a cluster
   static constexpr int kBM = kTokensM ? kHalfM : consumer_rows(BN, kBlocks);
   static constexpr int kSubs = kBM / kHalfM;  // m64 wgmma per 32 bytes of K
@@ -210,7 +210,7 @@ __device__ __forceinline__ bool tile_coords(const FitGemmParams& p, int i, int& 
 template <typename S>
 __device__ __forceinline__ void release_slot(uint64_t* bar) {
   mbar_arrive(bar);
-  if constexpr (S::kPairs) hopper::mbar_arrive_cluster(bar, (blockIdx.x & 1) ^ 1);
+  if constexpr (S::kCtas == 2) hopper::mbar_arrive_cluster(bar, (blockIdx.x & 1) ^ 1);
 }
 
 // The x row of a token tile's first token.
