@@ -93,7 +93,8 @@ constexpr int kHalfM = 64;          // weight rows (output columns) of one m64 w
 constexpr int kRowBytes = 128;      // bytes of K per row and stage (the 128-byte swizzle)
 constexpr int kBlockK = 128;        // e4m3 in blocks: K per scale block, one stage's
 constexpr int kThreads = 384;       // producer + two consumer warpgroups
-constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per consumer)
+constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per consumer), or
+                                    // less staging where that frees a stage (Shape)
 constexpr int kGroupM = 8;          // weight tiles per group of the tile order
 constexpr int kMinBN = 16;
 constexpr int kMaxBN = 176;         // BN fp32 accumulators per consumer thread: no spills to 176
@@ -133,6 +134,19 @@ __host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
   return blocks && bn > kMaxHalvesBlocksBN ? kHalfM : 2 * kHalfM;
 }
 
+// Pipeline stages of stage_bytes that fit beside epi_bytes of epilogue staging (at most 8).
+__host__ __device__ constexpr int stages_beside(int stage_bytes, int epi_bytes) {
+  return (kSmemLimit - kBarrierBytes - epi_bytes) / stage_bytes > 8
+             ? 8
+             : (kSmemLimit - kBarrierBytes - epi_bytes) / stage_bytes;
+}
+
+// Epilogue staging: two consumers, `buffers` buffers each of `rows` token rows by `cols` 16-bit
+// columns.
+__host__ __device__ constexpr int epi_bytes(int rows, int cols, int buffers) {
+  return 2 * buffers * rows * cols * 2;
+}
+
 // An instantiation's tile. A is the MMA's M operand, B its N operand: the weight's rows and the
 // tokens (BN of them), or with kTokensM the tokens (kHalfM a consumer) and the weight's rows (BN).
 // kCoop: both consumers on one tile of 2 x kBM rows of A (each its own kBM); else each its own
@@ -157,19 +171,26 @@ struct Shape {
   static constexpr int kScaleBox = BN + kScaleLead;
   static constexpr int kSStage = kScaleStage ? (kScaleBox * 4 + 127) / 128 * 128 : 0;
   static constexpr int kStageBytes = kAStage + kBStage + kSStage;
-  // An epilogue pass stages kEpiRows token rows of kEpiCols columns: kEpiTokens of the
-  // consumer's kBM weight rows, or with kTokensM its kBM tokens of kTokensMEpiCols columns.
-  static constexpr int kEpiRows = kTokensM ? kBM : kEpiTokens;
+  // An epilogue pass stages kEpiRows token rows of kEpiCols columns in one of kEpiBuffers
+  // buffers: kEpiTokens of the consumer's kBM weight rows, or with kTokensM its kBM tokens of
+  // kTokensMEpiCols columns. Less staging where that gives the ring a fourth stage (cooperative
+  // tiles of 136-176 tokens: three stages of 50-55 KB beside 32 KB of staging), so the copies
+  // run further ahead of the MMAs: half the tokens a pass (136-160 tokens: 16 KB), and one
+  // buffer (168 and 176: 8 KB; a second barrier a pass).
   static constexpr int kEpiCols = kTokensM ? kTokensMEpiCols : kBM;
+  static constexpr bool kLessStaging =
+      !kTokensM && stages_beside(kStageBytes, epi_bytes(kEpiTokens, kEpiCols, 2)) < 4;
+  static constexpr int kEpiRows = kTokensM ? kBM : (kLessStaging ? kEpiTokens / 2 : kEpiTokens);
+  static constexpr int kEpiBuffers =
+      kLessStaging && stages_beside(kStageBytes, epi_bytes(kEpiRows, kEpiCols, 2)) < 4 ? 1 : 2;
   static constexpr int kEpiBuffer = kEpiRows * kEpiCols * 2;  // bytes
-  static constexpr int kEpiBytes = 2 * 2 * kEpiBuffer;        // two consumers, two buffers
-  static constexpr int kFree = kSmemLimit - kBarrierBytes - kEpiBytes;
-  static constexpr int kStages = kFree / kStageBytes > 8 ? 8 : kFree / kStageBytes;
+  static constexpr int kEpiBytes = epi_bytes(kEpiRows, kEpiCols, kEpiBuffers);
+  static constexpr int kStages = stages_beside(kStageBytes, kEpiBytes);
   static constexpr int kSmem = kStages * kStageBytes + kEpiBytes + kBarrierBytes;
   // kTokensM: the same registers as 64-row consumers in blocks, 2 x BN / 2 floats a thread.
   static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= (kBlocks ? kMaxBlocksBN : kMaxBN),
                 "BN: a multiple of 8 in kMinBN..kMaxBN (kMaxBlocksBN in blocks)");
-  static_assert(kStages >= 3, "too few pipeline stages fit");
+  static_assert(kStages >= (kLessStaging ? 4 : 3), "too few pipeline stages fit");
   static_assert(!kTokensM || kBlocks, "tokens as M: e4m3 operands in blocks only");
   static_assert(!kPair || (kCoop && !kBlocks), "pairs: the cooperative mode, not in blocks");
   static_assert(!kScaleStage || kBlockK % kBM == 0, "a consumer's weight rows: one scale block");
@@ -250,7 +271,8 @@ __device__ __forceinline__ float2 bias_pair(const FitGemmParams& p, int col) {
 // holds a token's values across lanes, as they are where it holds token rows), then each
 // thread's 16 bytes of kEpiRows x kEpiCols / 1024 rows, all loaded before any is stored, each
 // valid row into its owner's slot. Two buffers, so one barrier per pass: a buffer is rewritten
-// two passes later, after every thread passed the barrier between. `pass` counts the
+// two passes later, after every thread passed the barrier between (one buffer: a second
+// barrier a pass, after its reads). `pass` counts the
 // consumer's passes over all its tiles. (Measured on one H200: faster than handing the staged
 // rows to the copy engine, per row or per 8-row box, whose many small copies cost 2-3x this
 // pass's time.)
@@ -263,8 +285,9 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p,
   constexpr int kGranules = kCols * 2 / 16;            // 16-byte granules of a staged row
   constexpr int kSweepRows = 128 / kGranules;          // rows the consumer's threads read at once
   constexpr int kSweeps = S::kEpiRows / kSweepRows;    // rows per thread per pass
-  constexpr int kPasses = (BN + (S::kTokensAsM ? kCols : kEpiTokens) - 1) /
-                          (S::kTokensAsM ? kCols : kEpiTokens);
+  // Tokens (kTokensM: weight columns) a pass.
+  constexpr int kPassCols = S::kTokensAsM ? kCols : S::kEpiRows;
+  constexpr int kPasses = (BN + kPassCols - 1) / kPassCols;
   const int tid = threadIdx.x - 128 * (consumer + 1);
   const int warp = tid >> 5, lane = tid & 31;
   float bias[kSubs][2] = {};  // weights as M: each fragment row's (a weight column's) bias
@@ -288,7 +311,7 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p,
   const bool sp = p.groups > 1;
 #pragma unroll
   for (int c = 0; c < kPasses; ++c, ++pass) {
-    uint8_t* buf = stage + (pass & 1) * S::kEpiBuffer;
+    uint8_t* buf = stage + (S::kEpiBuffers == 2 ? (pass & 1) * S::kEpiBuffer : 0);
     if constexpr (S::kTokensAsM) {
       // Columns 64 c ..: lane 8 * i + r addresses row r of block i = (token rows +8 or not,
       // column group of the pair); element 4 j + 2 h + e holds row 8 h, column 8 j + e.
@@ -316,8 +339,8 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p,
       // Token rows through stmatrix (transposed 8 x 8 blocks): lane 8 * i + r addresses row r
       // of block i = (weight rows +8 or not, token group of the pair).
 #pragma unroll
-      for (int jj = 0; jj < kEpiTokens / 8; jj += 2) {
-        const int j = c * (kEpiTokens / 8) + jj;
+      for (int jj = 0; jj < S::kEpiRows / 8; jj += 2) {
+        const int j = c * (S::kEpiRows / 8) + jj;
         const int blk = lane >> 3;
         const int n = 8 * (jj + (blk >> 1)) + (lane & 7);
 #pragma unroll
@@ -342,7 +365,7 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p,
     bar_sync(3 + consumer, 128);
     // The pass's first row within the tile and this thread's column; a granule past the tile's
     // columns (kTokensM's last pass) holds nothing of this tile.
-    const int pass_row = S::kTokensAsM ? row0 : c * kEpiTokens;
+    const int pass_row = S::kTokensAsM ? row0 : c * S::kEpiRows;
     const int tile_col = (S::kTokensAsM ? c * kCols : 0) + vcol * 8;
     const bool col_ok = tile_col < (S::kTokensAsM ? BN : kCols) && col0 + tile_col < p.n_out;
     const int64_t col_bytes = (static_cast<int64_t>(col0) + tile_col) * sizeof(T);
@@ -351,6 +374,8 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p,
     for (int q = 0; q < kSweeps; ++q)
       v[q] = *reinterpret_cast<const Vec16*>(buf +
                                              stage_offset<kCols>(vrow + kSweepRows * q, vcol));
+    // One buffer: every thread's reads done before the next pass (or tile) rewrites it.
+    if constexpr (S::kEpiBuffers == 1) bar_sync(3 + consumer, 128);
 #pragma unroll
     for (int q = 0; q < kSweeps; ++q) {
       const int row = pass_row + vrow + kSweepRows * q;  // within the tile
@@ -641,7 +666,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   regs_inc<kConsumerRegs>();
   const int consumer = wg - 1;
-  uint8_t* stage = epi + consumer * 2 * S::kEpiBuffer;
+  uint8_t* stage = epi + consumer * S::kEpiBuffers * S::kEpiBuffer;
   const int a_rows = kCoop ? consumer * S::kBM : 0;  // this consumer's rows of A in the tile
   int pass = 0;
   // e4m3 per tensor: the product of the two dequantization scales, applied to each finished
