@@ -1,8 +1,8 @@
-"""ab.sh's JSONs (ab_{tree,base}_{0,1}.json in SRC) as one file, every row tagged with its build
-and pass, its plot beside it, and per (tokens, cooperative extent) the fitted kernel's speed in
-the tree over the base build printed: its cooperative mode where it is the pick, else the one
-timed beside the pick (`tokenweave_fitted`), and its pairs (`c2`), each over cuBLAS in the same
-process, the mean of the two passes.
+"""ab.sh's JSONs (ab_{tree,base}_{0,1}.json in SRC) as one file, every row the ratios read
+tagged with its build and pass, its plot beside it, and per (tokens, cooperative extent) the
+fitted kernel's speed in the tree over the base build printed: its cooperative mode where it
+is the pick, else the one timed beside the pick (`tokenweave_fitted`), and its pairs (`c2`),
+each over cuBLAS in the same process, the mean of the two passes.
 
     python docs/results/fit_stages/ab_json.py SRC OUT.json "COMMAND"
 """
@@ -22,6 +22,10 @@ import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 from megatron_tokenweave.bench.report import save_plot  # noqa: E402
 
 BUILDS, PASSES = ("tree", "base"), (0, 1)
+# The rows the ratios read (the file keeps only these, their tiles on the pick's rows, the
+# dtypes once): cuBLAS, the pick, the fitted kernel timed beside a Triton pick, and the pairs
+# (`...c2`).
+KEPT = ("cublas", "tokenweave", "tokenweave_fitted")
 
 
 def load(src: str) -> tuple[dict, list[dict]]:
@@ -76,8 +80,14 @@ def main() -> None:
         c = sorted(v["c"] for v in vs)
         print(f"{n:6d} {extent:4d} {len(c):3d}  {statistics.median(c):.3f} {c[0]:.3f} {c[-1]:.3f}"
               f"   {statistics.median(v['c2'] for v in vs):.3f}")
-    with open(path, "w") as fh:
-        json.dump({**head, "command": command, "rows": rows}, fh, indent=1)
+    dtypes = sorted({x["dtype"] for x in rows})
+    kept = [{k: v for k, v in x.items()
+             if k != "dtype" and (k != "tiles" or x["impl"] == "tokenweave")}
+            for x in rows if x["impl"] in KEPT or x["impl"].endswith("c2")]
+    with open(path, "w") as fh:  # a row a line: the checkout travels with every device call
+        fh.write(json.dumps({**head, "command": command, "dtypes": dtypes}, indent=1)[:-2]
+                 + ',\n "rows": [\n')
+        fh.write(",\n".join("  " + json.dumps(x) for x in kept) + "\n ]\n}\n")
     fig, ax = plt.subplots(figsize=(9, 4.8))
     for label, lo, hi in (("136-160 tokens (half passes)", 136, 160),
                           ("168-176 tokens (one buffer)", 168, 176), ("other extents", 0, 128)):
