@@ -165,6 +165,28 @@ def test_save_plot_keeps_the_figure_in_256_colours(tmp_path):
     assert palette.stat().st_size < 0.5 * rgba.stat().st_size
 
 
+def test_dump_result_puts_a_row_a_line_and_reads_back_equal():
+    """Result files: the fields indented, each row of a list of rows on one line, and json.load
+    gives back exactly what was written (nested values, floats, strings with newlines)."""
+    import io
+    import json
+
+    from megatron_tokenweave.bench.report import dump_result
+
+    rows = [{"impl": f"k{i}", "us": 1.0 / (i + 3), "tiles": None, "note": "a\nb"}
+            for i in range(5)]
+    result = {"gpu": "X", "date": "2026-12-07", "nested": {"a": [1, 2], "b": {"c": 0.1}},
+              "empty": [], "rows": rows, "overlap": [{"x": [1, {"y": 2}]}]}
+    buf = io.StringIO()
+    dump_result(result, buf)
+    text = buf.getvalue()
+    assert json.loads(text) == result
+    lines = [line.rstrip(",") for line in text.splitlines()]
+    for r in rows:
+        assert "  " + json.dumps(r) in lines
+    assert len(text) < len(json.dumps(result, indent=1))
+
+
 @pytest.mark.parametrize("te", [True, False])
 def test_fp8_rows_plot_draws_from_a_result(tmp_path, te):
     """The FP8-rows benchmark's plot, from a result of its schema (synthetic rows), with and

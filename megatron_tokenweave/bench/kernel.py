@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import datetime
 import functools
-import json
 import os
 import statistics
 import sys
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 
 from megatron_tokenweave.bench import command_parser
 from megatron_tokenweave.bench.fp8_rows import RECIPE_SCALING, fp8_rows_for, te_quantizer
+from megatron_tokenweave.bench.report import dump_result
 from megatron_tokenweave.bench.timing import capture_graph
 from megatron_tokenweave.launch import NO_MULTICAST_ENV, free_port
 from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["symm_two_shot_note"] = got["symm_reason"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        dump_result(result, f)
     plot(result, args.plot or os.path.splitext(args.out)[0] + ".png")
     _print_table(result)
     return result

@@ -11,6 +11,20 @@ from typing import Any
 import torch
 
 
+def dump_result(result: dict, fh: Any) -> None:
+    """A result as JSON: its fields indented, each element of a list of rows on a line of its
+    own (about a third fewer bytes than indenting every field: the committed results travel with
+    the working tree to the device machine, `tests/test_checkout_size.py`)."""
+    parts = []
+    for key, value in result.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            body = ",\n".join("  " + json.dumps(v) for v in value)
+            parts.append(f" {json.dumps(key)}: [\n{body}\n ]")
+        else:
+            parts.append(f" {json.dumps(key)}: " + json.dumps(value, indent=1).replace("\n", "\n "))
+    fh.write("{\n" + ",\n".join(parts) + "\n}\n")
+
+
 def write_result(name: str, argv: list[str] | None, rows: list[dict], out: str,
                  plot: Callable[[dict, str], None], **extra: Any) -> dict:
     """Write `out` (JSON) and the plot next to it (same name, .png); return the result."""
@@ -23,7 +37,7 @@ def write_result(name: str, argv: list[str] | None, rows: list[dict], out: str,
         "rows": rows,
     }
     with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+        dump_result(result, f)
     plot(result, out.replace(".json", ".png"))
     print(f"wrote {out}")
     return result

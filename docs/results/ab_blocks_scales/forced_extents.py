@@ -9,12 +9,12 @@ python docs/results/ab_blocks_scales/forced_extents.py --time --check --extents 
 Without --time each kernel runs once, eager (for `ncu -k regex:fit_gemm_kernel`)."""
 import argparse
 import datetime
-import json
 import sys
 
 import torch
 
 from megatron_tokenweave.bench.gemm_fused import CALLS, _check, _fp8_inputs, _scaled_mm, cublas_rows
+from megatron_tokenweave.bench.report import dump_result
 from megatron_tokenweave.bench.split_cost import layer_gemms
 from megatron_tokenweave.bench.timing import capture_graph, interleaved_medians
 from megatron_tokenweave.kernels._ext import load_extension
@@ -97,8 +97,9 @@ for tokens in a.tokens:
     inbox.close()
 if a.out and rows:
     with open(a.out, "w") as fh:
-        json.dump({"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-                   "command": "python " + " ".join(sys.argv),
-                   "shape": f"{a.model} {a.gemm} at TP {a.tp} (K {k}, N {n}), replicated; CUDA "
-                            f"graphs of {CALLS} calls, interleaved medians of {a.iters} replays",
-                   "rows": rows}, fh, indent=1)
+        dump_result({"gpu": torch.cuda.get_device_name(0),
+                     "date": datetime.date.today().isoformat(),
+                     "command": "python " + " ".join(sys.argv),
+                     "shape": f"{a.model} {a.gemm} at TP {a.tp} (K {k}, N {n}), replicated; CUDA "
+                              f"graphs of {CALLS} calls, interleaved medians of {a.iters} replays",
+                     "rows": rows}, fh)

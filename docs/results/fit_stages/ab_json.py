@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 
-from megatron_tokenweave.bench.report import save_plot  # noqa: E402
+from megatron_tokenweave.bench.report import dump_result, save_plot  # noqa: E402
 
 BUILDS, PASSES = ("tree", "base"), (0, 1)
 # The rows the ratios read (the file keeps only these, their tiles on the pick's rows, the
@@ -84,10 +84,8 @@ def main() -> None:
     kept = [{k: v for k, v in x.items()
              if k != "dtype" and (k != "tiles" or x["impl"] == "tokenweave")}
             for x in rows if x["impl"] in KEPT or x["impl"].endswith("c2")]
-    with open(path, "w") as fh:  # a row a line: the checkout travels with every device call
-        fh.write(json.dumps({**head, "command": command, "dtypes": dtypes}, indent=1)[:-2]
-                 + ',\n "rows": [\n')
-        fh.write(",\n".join("  " + json.dumps(x) for x in kept) + "\n ]\n}\n")
+    with open(path, "w") as fh:
+        dump_result({**head, "command": command, "dtypes": dtypes, "rows": kept}, fh)
     fig, ax = plt.subplots(figsize=(9, 4.8))
     for label, lo, hi in (("136-160 tokens (half passes)", 136, 160),
                           ("168-176 tokens (one buffer)", 168, 176), ("other extents", 0, 128)):

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 
-from megatron_tokenweave.bench.report import save_plot  # noqa: E402
+from megatron_tokenweave.bench.report import dump_result, save_plot  # noqa: E402
 
 KEEP = ("tp", "tokens", "hidden", "scaling", "ctas", "op_us", "fused_us", "cost")
 
@@ -86,8 +86,8 @@ def main() -> None:
     with open(glob.glob(f"{src}/fp8_rows_*_0.json")[0]) as fh:
         date = json.load(fh)["date"]
     with open(out, "w") as fh:
-        json.dump({"gpu": gpu, "date": date, "command": command, "what": what, "rows": rows},
-                  fh, indent=1)
+        dump_result({"gpu": gpu, "date": date, "command": command, "what": what, "rows": rows},
+                    fh)
     plot(builds, base, rows, gpu, date, out.removesuffix(".json") + ".png")
     for scaling in ("blocks", "tensor"):
         for b in builds:
