@@ -372,7 +372,9 @@ def _skip_without_fitted():
 
 
 # (token extent, cooperative) of the fitted tiles the fitted kernel's tests force in turn.
-FITTED_SHAPES = ((16, False), (72, True), (136, False), (144, True), (176, True))
+# (144 and 168 cooperative: the epilogue's 16-row passes, two buffers and one buffer with a
+# partial last pass)
+FITTED_SHAPES = ((16, False), (72, True), (136, False), (144, True), (168, True), (176, True))
 # in blocks up to 104 tokens consumers of 128 weight rows, past it of 64 (to 208)
 FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False), (112, True),
                        (168, False), (208, True))
