@@ -136,9 +136,8 @@ __host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
 
 // Pipeline stages of stage_bytes that fit beside epi_bytes of epilogue staging (at most 8).
 __host__ __device__ constexpr int stages_beside(int stage_bytes, int epi_bytes) {
-  return (kSmemLimit - kBarrierBytes - epi_bytes) / stage_bytes > 8
-             ? 8
-             : (kSmemLimit - kBarrierBytes - epi_bytes) / stage_bytes;
+  const int fit = (kSmemLimit - kBarrierBytes - epi_bytes) / stage_bytes;
+  return fit > 8 ? 8 : fit;
 }
 
 // Epilogue staging: two consumers, `buffers` buffers each of `rows` token rows by `cols` 16-bit

@@ -1,10 +1,7 @@
 #!/bin/bash
 # A/B of the fused op's FP8-row forms on one GPU, run from the repo root on the device machine:
-# the checkout as it is ("tree") and one copy per VARIANT, each VARIANT a .patch (or patches
-# joined by '+', applied in order) applied to the copy's code (named by the patches' file names)
-# or a folder of headers overlaid on
-# csrc/include/tokenweave/ (named by the folder's; e.g. `git show <commit>:csrc/include/tokenweave/X.cuh`
-# for each header a change touches, saved into it); all built in place, in parallel; then
+# the checkout as it is ("tree") and one copy per VARIANT (a .patch, patches joined by '+', or a
+# folder of headers: ../ab_builds.sh), all built in place, in parallel; then
 # `bench fp8_rows` once per build and pass, each its own process, passes in a balanced order
 # (tree, variants, variants reversed, tree).
 # Results: $OUT/fp8_rows_ab.tgz holding fp8_rows_<build>_{0,1}.json (combine with ab_json.py
@@ -16,28 +13,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 out=$(mktemp -d)
 t0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader
-jobs=$(( 16 / ($# + 1) )); [ "$jobs" -ge 2 ] || jobs=2
-names=(tree); dirs=(.)
-for v in "$@"; do
-  IFS=+ read -ra parts <<< "$v"
-  name=""; for part in "${parts[@]}"; do name+="${name:++}$(basename "${part%.patch}")"; done
-  dir=/tmp/ab_$name
-  rm -rf "$dir" && mkdir "$dir" && cp -r setup.py README.md megatron_tokenweave csrc "$dir"/
-  if [ -d "$v" ]; then
-    cp "$v"/*.cuh "$dir"/csrc/include/tokenweave/
-  else
-    for part in "${parts[@]}"; do
-      (cd "$dir" && git apply --include='csrc/*' --include='megatron_tokenweave/*' --exclude='*' \
-         "$OLDPWD/$part") || { echo "$part does not apply"; exit 1; }
-    done
-  fi
-  names+=("$name"); dirs+=("$dir")
-done
-for i in "${!dirs[@]}"; do
-  (cd "${dirs[$i]}" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace \
-     > "/tmp/ab_build_${names[$i]}.log" 2>&1; echo "${names[$i]} build rc=$?") &
-done
-wait; echo "built at $(( $(date +%s) - t0 )) s"
+source "$(dirname "$0")/../ab_builds.sh"
+ab_builds "$@" || exit 1
 bench() {  # bench INDEX PASS
   (cd "${dirs[$1]}" && timeout 150 python3 -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
      --tokens 1024 8192 --hidden 4096 8192 --iters 20 --out "$out/fp8_rows_${names[$1]}_$2.json" \
