@@ -90,7 +90,7 @@ for src in csrc/*.cu; do
   elif grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$obj.log"; then
     if [[ $src == csrc/launch_fit_gemm_* ]]; then
       echo "FAILED: register spills above in $src (the fitted GEMM's accumulators must stay in"
-      echo "registers: a spill there costs its speed, see fit_gemm.cuh kMaxBN / kMaxBlocksBN)"
+      echo "registers: a spill there costs its speed, see fit_gemm.cuh kMaxBN / kMaxWideBN)"
       status=1
     else
       echo "note: register spills above in $src (not an error)"

@@ -1,6 +1,6 @@
 // The fitted communicating GEMM's instantiations for e4m3 operands scaled in blocks (TE's
 // blockwise recipe), bf16 rows (fit_gemm_host.cuh): both consumer modes, token extents up to
-// kMaxBlocksBN. One dtype pair and scaling per translation unit, so a build compiles them in
+// kMaxWideBN. One dtype pair and scaling per translation unit, so a build compiles them in
 // parallel.
 #define TOKENWEAVE_FIT_INSTANTIATE
 #include "tokenweave/fit_gemm_host.cuh"

@@ -739,7 +739,7 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
     // A tile's 64 or 128 token rows may reach past its group's and x's rows: x's tensor map ends
     // at x's rows (the copy engine fills zeros past them), the x scales past their columns are
     // read from the last one, and such rows are never stored, so x needs no extra rows.
-    TW_CHECK(blocks && weight_rows > 0 && weight_rows <= fit::kMaxBlocksBN &&
+    TW_CHECK(blocks && weight_rows > 0 && weight_rows <= fit::kMaxWideBN &&
                  fit::one_of(static_cast<int>(weight_rows), fit::TokensMExtents{}) &&
                  bn == fit::kHalfM * (coop + 1) && !pair,
              "tokenweave: fit_gemm: the tokens as M take e4m3 operands in blocks, weight_rows "
@@ -747,10 +747,10 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
              "128 (cooperative); got weight_rows ", weight_rows, ", block_rows ", bn,
              blocks ? "" : ", no block scales");
   } else {
-    const int max_bn = blocks ? fit::kMaxBlocksBN : fit::kMaxBN;
+    const int max_bn = fit::max_bn(coop != 0, blocks, pair);
     TW_CHECK(bn >= fit::kMinBN && bn <= max_bn && bn % 8 == 0,
              "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
-             max_bn, blocks ? " (block scales)" : "", ", got ", bn);
+             max_bn, blocks ? " (block scales)" : coop == 1 ? " (cooperative)" : "", ", got ", bn);
   }
   TW_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
   TW_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *

@@ -22,7 +22,6 @@ from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.gemm_rows import whole_boxes
 from megatron_tokenweave.ops.segments import (
     FIT_BLOCKS_HALVES_MAX_ROWS,
-    FIT_BLOCKS_MAX_ROWS,
     FIT_BLOCKS_PICK_MAX_ROWS,
     FIT_BLOCKS_WIDE_MAX_WAVES,
     FIT_FP8_MIN_K,
@@ -32,6 +31,7 @@ from megatron_tokenweave.ops.segments import (
     FIT_TILE_COST,
     FIT_TOKENS_M_EXTENTS,
     FIT_TOKENS_M_ROWS,
+    FIT_WIDE_MAX_ROWS,
     FP8_BLOCK_K,
     FP8_PARTIAL_BOX_MIN_K,
     FP8_SCALINGS,
@@ -129,7 +129,7 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
     tiles over more than FP8_PARTIAL_BOX_MIN_K whose rows are not whole 128-byte boxes apart
     (K = 7392; with or without the fitted kernel, not where its wave rule takes the call);
     block scales: the fitted kernel's cooperative tiles where it runs, of at most
-    FIT_BLOCKS_PICK_MAX_ROWS tokens, or FIT_BLOCKS_MAX_ROWS where those take at most
+    FIT_BLOCKS_PICK_MAX_ROWS tokens, or FIT_WIDE_MAX_ROWS where those take at most
     FIT_BLOCKS_WIDE_MAX_WAVES waves and no more than the narrower ones; else the fastest
     one-consumer tiles by estimated time; all with K blocks of FP8_BLOCK_K."""
     picked = {"tensor": set(), "blocks": set()}
@@ -156,10 +156,10 @@ def test_fp8_calls_take_tiles_with_128_deep_k(layout, world):
                 assert t.fitted and t.cooperative
                 narrow, wide = (fit_pick(layout, world, rows, hidden, ctas, True, most,
                                          blocks=True)
-                                for most in (FIT_BLOCKS_PICK_MAX_ROWS, FIT_BLOCKS_MAX_ROWS))
+                                for most in (FIT_BLOCKS_PICK_MAX_ROWS, FIT_WIDE_MAX_ROWS))
                 take_wide = wide[0] <= FIT_BLOCKS_WIDE_MAX_WAVES and wide[0] <= narrow[0]
                 assert t.block_rows == (wide if take_wide else narrow)[1]
-                assert t.block_rows <= (FIT_BLOCKS_MAX_ROWS if take_wide
+                assert t.block_rows <= (FIT_WIDE_MAX_ROWS if take_wide
                                         else FIT_BLOCKS_PICK_MAX_ROWS)
                 assert t.block_cols == fit_tile_rows(t.block_rows, True, blocks=True)
                 picked[scaling].add("fitted coop wide" if t.block_rows > FIT_BLOCKS_PICK_MAX_ROWS
@@ -331,20 +331,21 @@ def _fit_waves_cost(extent: int, rows: int, hidden: int, ctas: int, cooperative:
 @pytest.mark.parametrize("cooperative", [False, True])
 def test_fitted_tiles_in_blocks_take_64_weight_rows_a_consumer_past_104_tokens(cooperative):
     """The fitted kernel's tiles in blocks (fit_gemm.cuh consumer_rows): 128 weight rows a
-    consumer up to FIT_BLOCKS_HALVES_MAX_ROWS tokens, 64 past it up to FIT_BLOCKS_MAX_ROWS;
-    per tensor and 16-bit 128 at every extent. fit_pick in blocks weighs a wave by its tiles'
-    weight rows, so its extent is the one with the least waves x weight rows x (extent +
-    FIT_TILE_COST) (the largest on ties) and, out of blocks, the same as by waves alone."""
+    consumer up to FIT_BLOCKS_HALVES_MAX_ROWS tokens, 64 past it up to FIT_WIDE_MAX_ROWS;
+    per tensor and 16-bit 128 up to FIT_MAX_ROWS, 64 past it. fit_pick in blocks weighs a wave
+    by its tiles' weight rows, so its extent is the one with the least waves x weight rows x
+    (extent + FIT_TILE_COST) (the largest on ties) and, out of blocks, the same as by waves
+    alone."""
     per = 2 if cooperative else 1
-    for extent in range(FIT_MIN_ROWS, FIT_BLOCKS_MAX_ROWS + 1, 8):
+    for extent in range(FIT_MIN_ROWS, FIT_WIDE_MAX_ROWS + 1, 8):
         wide = extent > FIT_BLOCKS_HALVES_MAX_ROWS
         assert fit_tile_rows(extent, cooperative, blocks=True) == per * (64 if wide else 128)
-        assert fit_tile_rows(extent, cooperative) == per * 128
+        assert fit_tile_rows(extent, cooperative) == per * (64 if extent > FIT_MAX_ROWS else 128)
         t = fit_tiles(extent, cooperative, FP8_BLOCK_K, blocks=True)
         assert (t.block_rows, t.block_cols, t.fitted) == (extent, per * (64 if wide else 128), True)
     for rows, hidden, ctas, blocks in itertools.product(
             (1, 513, 1000, 4099, 8192, 16383), (4096, 5120, 8192), (8, 132), (False, True)):
-        most = FIT_BLOCKS_MAX_ROWS if blocks else FIT_MAX_ROWS
+        most = FIT_WIDE_MAX_ROWS if blocks else FIT_MAX_ROWS
         extents = range(FIT_MIN_ROWS, most + 1, 8)
         costs = {e: _fit_waves_cost(e, rows, hidden, ctas, cooperative, blocks) for e in extents}
         waves, extent = fit_pick(Layout.REPLICATED, 1, rows, hidden, ctas, cooperative, most,

@@ -26,12 +26,14 @@ from megatron_tokenweave.ops.segments import (
     FIT_BELOW,
     FIT_COOP_MAX_WAVES,
     FIT_COOP_MIN_ROWS,
+    FIT_COOP_PICK_MAX_ROWS,
     FIT_LONG_K,
     FIT_LONG_MIN_TILES,
     FIT_MAX_ROWS,
     FIT_MIN_CALL,
     FIT_MIN_ROWS,
     FIT_TILE_COST,
+    FIT_WIDE_MAX_ROWS,
     FP8_BLOCK_K,
     LARGE,
     MIN_BLOCK_ROWS,
@@ -256,28 +258,46 @@ FIT_LAYOUT_CASES = list(itertools.product(LAYOUTS, (2, 4, 8),
 
 @pytest.mark.parametrize("layout,world,shape", FIT_LAYOUT_CASES)
 def test_fitted_tiles_fit_the_call(layout, world, shape):
-    """The fitted kernel's token extent: a multiple of 8 in FIT_MIN_ROWS..FIT_MAX_ROWS with the
-    fewest waves x (extent + FIT_TILE_COST), the largest on ties; cooperative (both consumers
-    on 256 weight rows) exactly where that mode's pick takes at most FIT_COOP_MAX_WAVES waves of
-    at least FIT_COOP_MIN_ROWS tokens."""
+    """The fitted kernel's token extent: a multiple of 8 with the fewest waves x weight rows x
+    (extent + FIT_TILE_COST), the largest on ties; cooperative (both consumers on one tile)
+    exactly where that mode's pick to FIT_MAX_ROWS (256 weight rows) takes at most
+    FIT_COOP_MAX_WAVES waves of at least FIT_COOP_MIN_ROWS tokens, and then of 64-row
+    consumers (128 weight rows, FIT_MAX_ROWS..FIT_WIDE_MAX_ROWS tokens) where those cost
+    less within as many waves (coop_max_rows; the pick's bound FIT_COOP_PICK_MAX_ROWS); else
+    ping-pong tiles of 128 weight rows to FIT_MAX_ROWS."""
     hidden, ctas = shape
     groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
 
-    def best(cooperative, rows):
-        m = -(-hidden // (256 if cooperative else 128))
-        costs = {e: -(-m * groups * -(-rows // e) // ctas) * (e + FIT_TILE_COST)
-                 for e in range(FIT_MIN_ROWS, FIT_MAX_ROWS + 1, 8)}
-        extent = max(e for e, c in costs.items() if c == min(costs.values()))
-        return -(-m * groups * -(-rows // extent) // ctas), extent
+    def best(cooperative, rows, most=FIT_MAX_ROWS):
+        def waves(e):
+            m = -(-hidden // ((256 if e <= FIT_MAX_ROWS else 128) if cooperative else 128))
+            return -(-m * groups * -(-rows // e) // ctas)
 
-    for rows in (1, 7, 100, 512, 513, 641, 777, 1279, 4099, 5003, 16383):
-        t = fitted_tiles(layout, world, rows, hidden, ctas)
+        def cost(e):
+            return waves(e) * (256 if cooperative and e <= FIT_MAX_ROWS else 128) * (
+                e + FIT_TILE_COST)
+
+        extent = min(range(FIT_MIN_ROWS, most + 1, 8), key=lambda e: (cost(e), -e))
+        return waves(extent), extent
+
+    for rows, most in itertools.product(
+            (1, 7, 100, 512, 513, 641, 777, 1279, 1531, 4099, 5003, 16383),
+            (FIT_MAX_ROWS, FIT_WIDE_MAX_ROWS)):
+        t = fitted_tiles(layout, world, rows, hidden, ctas, most)
+        if most == FIT_COOP_PICK_MAX_ROWS:
+            assert t == fitted_tiles(layout, world, rows, hidden, ctas)
         waves, extent = best(True, rows)
         cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
-        assert t.fitted and t.cooperative == cooperative, rows
-        assert t.block_rows == (extent if cooperative else best(False, rows)[1]), rows
-        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= FIT_MAX_ROWS
-        assert t.block_cols == (256 if cooperative else 128) and t.consumers == 2
+        if cooperative:
+            wide = best(True, rows, most)
+            extent = wide[1] if wide[0] <= FIT_COOP_MAX_WAVES else extent
+        else:
+            extent = best(False, rows)[1]
+        assert t.fitted and t.cooperative == cooperative and t.block_rows == extent, rows
+        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= (
+            most if cooperative else FIT_MAX_ROWS)
+        rows_a_consumer = 64 if t.block_rows > FIT_MAX_ROWS else 128
+        assert t.block_cols == (2 if cooperative else 1) * rows_a_consumer and t.consumers == 2
 
 
 @pytest.mark.parametrize("layout,world,shape", FIT_LAYOUT_CASES)
@@ -597,10 +617,11 @@ def test_gemm_fused_blocks_without_a_reference(tmp_path):
 def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden, block_k, most,
                                                                   blocks):
     """bench gemm_fused --breakdown's fitted variants: both modes, each at every forced extent
-    up to the largest the call's operands take (FP8 in blocks: FIT_BLOCKS_MAX_ROWS) and at the
-    extent its model picks for the call, each a tile the kernel takes (in blocks of 64 weight
-    rows a consumer past FIT_BLOCKS_HALVES_MAX_ROWS tokens), named apart; not in blocks the
-    cooperative ones in pairs of CTAs as well."""
+    up to the largest the call's operands take in that mode (FIT_WIDE_MAX_ROWS cooperative or
+    in blocks, else FIT_MAX_ROWS) and at the extent its model picks for the call, each a tile
+    the kernel takes (of 64 weight rows a consumer past FIT_MAX_ROWS tokens, in blocks past
+    FIT_BLOCKS_HALVES_MAX_ROWS), named apart; not in blocks the cooperative ones of at most
+    FIT_MAX_ROWS tokens in pairs of CTAs as well."""
     from megatron_tokenweave.bench import gemm_fused
     from megatron_tokenweave.ops.segments import FIT_BLOCKS_HALVES_MAX_ROWS, FIT_MIN_ROWS, fit_pick
 
@@ -608,17 +629,22 @@ def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden
     names = [gemm_fused._tiles_name(t) for t in variants]
     assert len(set(names)) == len(names)
     for cooperative in (False, True):
+        mode_most = FIT_WIDE_MAX_ROWS if cooperative else most
         mine = {t.block_rows for t in variants if t.cooperative == cooperative and not t.pair}
-        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative, most, blocks)[1]
-        assert mine == {*(r for r in gemm_fused.FIT_BREAKDOWN_ROWS if r <= most), picked}
+        picked = fit_pick(Layout.REPLICATED, 1, tokens, hidden, 132, cooperative, mode_most,
+                          blocks)[1]
+        assert mine == {*(r for r in gemm_fused.FIT_BREAKDOWN_ROWS if r <= mode_most), picked}
     pairs = {t.block_rows for t in variants if t.pair}
-    assert pairs == (set() if blocks else {t.block_rows for t in variants if t.cooperative})
+    assert pairs == (set() if blocks else {t.block_rows for t in variants
+                                           if t.cooperative and t.block_rows <= FIT_MAX_ROWS})
     assert all(t.cooperative for t in variants if t.pair)
     for t in variants:
         assert t.fitted and t.block_k == block_k
-        rows = 64 if blocks and t.block_rows > FIT_BLOCKS_HALVES_MAX_ROWS else 128
+        halves = FIT_BLOCKS_HALVES_MAX_ROWS if blocks else FIT_MAX_ROWS
+        rows = 64 if t.block_rows > halves else 128
         assert t.block_cols == (2 * rows if t.cooperative else rows)
-        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= most
+        assert t.block_rows % 8 == 0 and FIT_MIN_ROWS <= t.block_rows <= (
+            FIT_WIDE_MAX_ROWS if t.cooperative else most)
 
 
 def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
@@ -646,10 +672,10 @@ def test_fitted_launcher_refuses_bad_input():
     TokenWeaveInputError before the op (operands bf16/fp16 of the rows' dtype, or e4m3 with
     rows of bf16/fp16; 2-D, rows contiguous and a multiple of 16 bytes apart (padded rows
     taken); 16-byte rows: K a multiple of 8, or 16 in e4m3, N of 8;
-    bias [N] of the rows' dtype; 16-byte starts; token extents in its range, a smaller one for
-    e4m3 in blocks; the tokens as M in blocks only, at its weight extents and 64 tokens a
-    consumer; pairs of CTAs in the cooperative mode, not in blocks, on at least 2 CTAs; rows
-    inside x and the slot)."""
+    bias [N] of the rows' dtype; 16-byte starts; token extents in its range (to 176, to 208 in
+    the cooperative mode outside pairs and in blocks); the tokens as M in blocks only, at its
+    weight extents and 64 tokens a consumer; pairs of CTAs in the cooperative mode, not in
+    blocks, on at least 2 CTAs; rows inside x and the slot)."""
     from dataclasses import replace
 
     from megatron_tokenweave.kernels.owner_gemm import check_fitted_gemm
@@ -678,6 +704,9 @@ def test_fitted_launcher_refuses_bad_input():
     check(base | blocks)
     check(base | blocks_m)
     check(base | dict(seg=pair))  # pairs: 16-bit and per tensor
+    wide = replace(seg, tiles=fit_tiles(208, True))  # cooperative, 64-row consumers
+    check(base | dict(seg=wide))
+    check(base | fp8 | dict(seg=wide))
     check(base | fp8 | dict(seg=pair))
     check(base | blocks_m | dict(seg=replace(seg, tiles=replace(tokens_m, cooperative=False,
                                                                  block_rows=64))))
@@ -692,8 +721,11 @@ def test_fitted_launcher_refuses_bad_input():
         (dict(bias=torch.randn(500, dtype=torch.bfloat16)), r"bias must be \[512\]"),
         (dict(x=torch.randn(301 * 256 + 1, dtype=torch.bfloat16)[1:].view(301, 256)),
          "16-byte aligned"),
-        (dict(seg=replace(seg, tiles=replace(tiles, block_rows=184))), "multiple of 8 tokens"),
+        (dict(seg=replace(seg, tiles=replace(tiles, block_rows=184))), r"16\.\.176, got"),
         (dict(seg=replace(seg, tiles=replace(tiles, block_rows=20))), "multiple of 8 tokens"),
+        (dict(seg=replace(wide, tiles=replace(wide.tiles, block_rows=216))),
+         r"16\.\.208 \(cooperative\)"),
+        (dict(seg=replace(pair, tiles=replace(pair.tiles, block_rows=184))), r"16\.\.176, got"),
         (dict(x=x[:200]), "x has 200"),
         (dict(seg=replace(seg, row0=300)), "a slot has 400"),
         (fp8 | dict(w=w), "e4m3 operands"),

@@ -15,9 +15,12 @@ beside it, x padded ahead, outside the timed calls) and, where the fitted kernel
 kernel the policy did not pick (`tokenweave_triton` or `tokenweave_fitted`); in FP8 per
 tensor, where the Triton pick is the ping-pong kernel, the one-consumer kernel's best tiles
 too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in each mode at its own
-extent to FIT_BLOCKS_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`);
-where the fitted kernel's cooperative mode runs (not in blocks), its tiles in pairs of CTAs
-sharing each weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick).
+extent to FIT_WIDE_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`);
+where the fitted kernel's cooperative mode runs (not in blocks), its tiles of 128-row consumers
+in pairs of CTAs sharing each weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick);
+not in blocks, the fitted tiles the pick rule gives with cooperative extents to FIT_MAX_ROWS
+(`tokenweave_narrow`) and to FIT_WIDE_MAX_ROWS (`tokenweave_wide`: 64-row consumers past
+FIT_MAX_ROWS), each where they are not the fitted tiles timed already.
 `--breakdown` adds, per point, the Triton kernels with each release forced
 (`tokenweave_release_gemm` / `_consumer`: the GEMM's CTAs fence and store flags after their
 last tile, or the GEMM only stores tiles and its consumer publishes them, which costs the
@@ -64,8 +67,8 @@ from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import BLOCK_COLS, FP8_DTYPE, scale_stride
 from megatron_tokenweave.ops.gemm_rows import PaddedRows, needs_padding
 from megatron_tokenweave.ops.segments import (
-    FIT_BLOCKS_MAX_ROWS,
     FIT_MAX_ROWS,
+    FIT_WIDE_MAX_ROWS,
     FP8_BLOCK_K,
     ONE_CONSUMER,
     RELEASES,
@@ -162,7 +165,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
     shape = SHAPES[model]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     fitted = fitted_gemm_available(dev)
-    max_rows = FIT_BLOCKS_MAX_ROWS if fp8 == "blocks" else FIT_MAX_ROWS
+    max_rows = FIT_WIDE_MAX_ROWS if fp8 == "blocks" else FIT_MAX_ROWS
     long_k = fits_long_k(torch.cuda.get_device_name(dev))
     inbox = GemmInbox.loopback(tp, tokens, shape.hidden, torch_dtype, dev)
     rows = []
@@ -187,7 +190,7 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                              block_k=triton.tiles.block_k))})
             if fp8 == "blocks":
                 # the pick is cooperative (`blocks_tiles`): each mode at its own extent to
-                # FIT_BLOCKS_MAX_ROWS as well, where that is not the pick
+                # FIT_WIDE_MAX_ROWS as well, where that is not the pick
                 for cooperative in (False, True):
                     tiles = fit_tiles(fit_pick(Layout.REPLICATED, tp, tokens, n, sms,
                                                cooperative, max_rows, blocks=True)[1],
@@ -195,12 +198,21 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                     if tiles != seg.tiles:
                         other[f"tokenweave_{_tiles_name(tiles)}"] = segments(
                             Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
-        # the fitted kernel's cooperative tiles in pairs of CTAs (never the pick), beside it
         fit_seg = seg if seg.tiles.fitted else other.get("tokenweave_fitted")
-        if fit_seg is not None and fit_seg.tiles.cooperative and fp8 != "blocks":
-            pair = replace(fit_seg.tiles, pair=True)
-            other[f"tokenweave_{_tiles_name(pair)}"] = segments(
-                Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=pair)
+        if fit_seg is not None and fp8 != "blocks":
+            # the fitted tiles with cooperative extents to FIT_MAX_ROWS (128-row consumers) and
+            # to FIT_WIDE_MAX_ROWS (64-row ones past it), whichever the pick rule did not take
+            for name, most in (("narrow", FIT_MAX_ROWS), ("wide", FIT_WIDE_MAX_ROWS)):
+                tiles = replace(fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms, most),
+                                block_k=triton.tiles.block_k)
+                if tiles != fit_seg.tiles:
+                    other[f"tokenweave_{name}"] = segments(
+                        Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+            # its cooperative tiles of 128-row consumers in pairs of CTAs (never the pick)
+            if fit_seg.tiles.cooperative and fit_seg.tiles.block_rows <= FIT_MAX_ROWS:
+                pair = replace(fit_seg.tiles, pair=True)
+                other[f"tokenweave_{_tiles_name(pair)}"] = segments(
+                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=pair)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(
@@ -270,14 +282,18 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
 
 def _fitted_variants(tokens: int, hidden: int, ctas: int, block_k: int, max_rows: int,
                      blocks: bool) -> list:
-    """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens (up to max_rows)
-    and at the extent its model picks per mode (ops/segments.fit_pick), and, not in blocks, the
-    cooperative ones in pairs of CTAs too: whether a shortfall is the pick's extent or mode, or
-    the kernel at any extent."""
-    rows = {cooperative: sorted({*(r for r in FIT_BREAKDOWN_ROWS if r <= max_rows), fit_pick(
-        Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative, max_rows, blocks)[1]})
-        for cooperative in (False, True)}
-    pairs = [] if blocks else [fit_tiles(r, True, block_k, pair=True) for r in rows[True]]
+    """The fitted kernel's tiles in both modes at FIT_BREAKDOWN_ROWS tokens (up to max_rows,
+    cooperative ones to FIT_WIDE_MAX_ROWS) and at the extent its model picks per mode
+    (ops/segments.fit_pick), and, not in blocks, the cooperative ones of at most FIT_MAX_ROWS
+    in pairs of CTAs too: whether a shortfall is the pick's extent or mode, or the kernel at
+    any extent."""
+    most = {False: max_rows, True: FIT_WIDE_MAX_ROWS}
+    rows = {cooperative: sorted({*(r for r in FIT_BREAKDOWN_ROWS if r <= most[cooperative]),
+                                 fit_pick(Layout.REPLICATED, 1, tokens, hidden, ctas, cooperative,
+                                          most[cooperative], blocks)[1]})
+            for cooperative in (False, True)}
+    pairs = [] if blocks else [fit_tiles(r, True, block_k, pair=True) for r in rows[True]
+                               if r <= FIT_MAX_ROWS]
     return [fit_tiles(r, c, block_k, blocks) for c, extents in rows.items()
             for r in extents] + pairs
 

@@ -40,11 +40,11 @@ from megatron_tokenweave.kernels.owner_protocol import (
 from megatron_tokenweave.ops.fp8_operands import Fp8Operands
 from megatron_tokenweave.ops.fp8_rows import FP8_DTYPE
 from megatron_tokenweave.ops.segments import (
-    FIT_BLOCKS_MAX_ROWS,
     FIT_MAX_ROWS,
     FIT_MIN_ROWS,
     FIT_TOKENS_M_EXTENTS,
     FIT_TOKENS_M_ROWS,
+    FIT_WIDE_MAX_ROWS,
     FP8_BLOCK_K,
     Segments,
 )
@@ -213,7 +213,8 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     same again, as the last line of defence): bf16/fp16 operands of the rows' dtype (out_dtype,
     x's by default), or e4m3 ones scaled as fp8 names (ops/segments.FP8_SCALINGS; their
     scales are Fp8Operands.check's), 16-byte rows, row pitches and starts, its token extents
-    (up to FIT_BLOCKS_MAX_ROWS in blocks; with the tokens as M, in blocks only, its weight
+    (up to FIT_WIDE_MAX_ROWS in blocks and in the cooperative mode outside pairs, else
+    FIT_MAX_ROWS; with the tokens as M, in blocks only, its weight
     extents FIT_TOKENS_M_EXTENTS and FIT_TOKENS_M_ROWS tokens a consumer; pairs of CTAs in the
     cooperative mode, not in blocks, on at least 2 CTAs), the rows the segments read and the
     inbox rows they fill. A tile's rows past x's are read as zeros (its tensor
@@ -241,7 +242,8 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TokenWeaveInputError("the fitted GEMM's x and weight must start 16-byte aligned")
     t = seg.tiles
     bn = t.block_rows
-    most = FIT_BLOCKS_MAX_ROWS if fp8 == "blocks" else FIT_MAX_ROWS
+    wide = fp8 == "blocks" or (t.cooperative and not t.pair)
+    most = FIT_WIDE_MAX_ROWS if wide else FIT_MAX_ROWS
     if t.tokens_m:
         if fp8 != "blocks" or t.block_cols not in FIT_TOKENS_M_EXTENTS or bn != (
                 FIT_TOKENS_M_ROWS * (2 if t.cooperative else 1)):
@@ -252,7 +254,8 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     elif bn % 8 or not FIT_MIN_ROWS <= bn <= most:
         raise TokenWeaveInputError(
             f"the fitted GEMM's tiles hold a multiple of 8 tokens in {FIT_MIN_ROWS}..{most}"
-            f"{' (block scales)' if fp8 == 'blocks' else ''}, got {bn}")
+            f"{' (block scales)' if fp8 == 'blocks' else ' (cooperative)' if wide else ''}, "
+            f"got {bn}")
     if t.pair and (not t.cooperative or t.tokens_m or fp8 == "blocks" or ctas < 2):
         raise TokenWeaveInputError(
             f"the fitted GEMM's pairs of CTAs take its cooperative mode, 16-bit or per-tensor "

@@ -79,7 +79,7 @@ ONE_CONSUMER = (LARGE, WIDE, SMALL)  # the one-consumer Triton kernel's tiles
 # one H100, 2026-12-06; at 1279 tokens 0.79-0.89x against the ping-pong pick's 0.87-0.93x; at
 # K = 2368, Qwen2.5-7B's fc2 at TP 8, the fitted kernel stays the faster); in blocks
 # ("blocks") the fitted kernel's cooperative mode where it runs, with token extents up to
-# FIT_BLOCKS_PICK_MAX_ROWS, or up to FIT_BLOCKS_MAX_ROWS where those take at most
+# FIT_BLOCKS_PICK_MAX_ROWS, or up to FIT_WIDE_MAX_ROWS where those take at most
 # FIT_BLOCKS_WIDE_MAX_WAVES waves and no more than the narrower ones (`blocks_tiles`; 1.59x the
 # one-consumer Triton kernel at the median of 414 points, faster at all, the ping-pong mode
 # faster at 19, by 1-6 %, one H100, 2026-12-06; the wide tiles of one or two waves faster than
@@ -111,7 +111,7 @@ CONSUMER_RELEASE_MAX_WORK = 2.0
 # (ping-pong) or 256 (cooperative; in blocks past FIT_BLOCKS_HALVES_MAX_ROWS tokens 64 or 128:
 # `fit_tile_rows`) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
 # its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor or in blocks
-# (in blocks up to FIT_BLOCKS_MAX_ROWS tokens; the pick: `blocks_tiles`). Measured
+# (in blocks up to FIT_WIDE_MAX_ROWS tokens; the pick: `blocks_tiles`). Measured
 # on one H200 (docs/kernel.md, "The fitted kernel"):
 # - the token extent: the fewest waves x (extent + FIT_TILE_COST), a tile's fixed cost in tokens
 #   (the largest extent on ties: fewer, fuller tiles);
@@ -123,13 +123,20 @@ CONSUMER_RELEASE_MAX_WORK = 2.0
 #   FIT_BELOW: counts just past a wave of Triton's tiles, where a whole extra row block and wave
 #   cost it 0.5-0.8x of cuBLAS; elsewhere the Triton kernels measured faster.
 FIT_MIN_ROWS, FIT_MAX_ROWS = 16, 176
-# e4m3 in blocks a consumer holds two accumulators (fit_gemm.cuh): of 128 weight rows up to
-# FIT_BLOCKS_HALVES_MAX_ROWS tokens, of 64 above it up to FIT_BLOCKS_MAX_ROWS (kMaxBlocksBN).
+# Consumers of 64 weight rows (fit_gemm.cuh consumer_rows) take up to FIT_WIDE_MAX_ROWS tokens
+# (kMaxWideBN): 16-bit and per tensor in the cooperative mode past FIT_MAX_ROWS (tiles of 128 x
+# 184..208: at 777 tokens 4 x 200, 3 % padding, where tiles to 176 take 8 x 104, 7 %, for as
+# many tiles; cuBLAS runs 128 x 200 there). `fitted_tiles(..., coop_max_rows)` takes them in
+# place of a cooperative pick of at most FIT_COOP_MAX_WAVES waves where they cost less in as
+# many waves; the pick's own bound, FIT_COOP_PICK_MAX_ROWS, keeps them out until measured
+# (`bench gemm_fused` times them beside the pick: `tokenweave_wide`).
+# e4m3 in blocks a consumer holds two accumulators: of 128 weight rows up to
+# FIT_BLOCKS_HALVES_MAX_ROWS tokens, of 64 above it up to FIT_WIDE_MAX_ROWS.
 # The pick's extents past FIT_BLOCKS_PICK_MAX_ROWS (64-row consumers) only where their tiles
 # take at most FIT_BLOCKS_WIDE_MAX_WAVES waves: past two waves they ran 0.90-1.00x of the
 # narrower pick's speed at the median per wave count (docs/kernel.md "Speed, in blocks").
 FIT_BLOCKS_HALVES_MAX_ROWS = 104
-FIT_BLOCKS_MAX_ROWS = 208
+FIT_WIDE_MAX_ROWS = 208
 FIT_BLOCKS_PICK_MAX_ROWS = 104
 FIT_BLOCKS_WIDE_MAX_WAVES = 2
 # e4m3 in blocks with the tokens as the MMA's M (`fit_tiles(..., tokens_m=True)`, never picked:
@@ -143,6 +150,7 @@ FIT_TOKENS_M_EXTENTS = (64, 96, 128, 144, 160, 176, 192, 208)
 FIT_TILE_COST = 16
 FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
+FIT_COOP_PICK_MAX_ROWS = FIT_MAX_ROWS
 FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
 FIT_FP8_MIN_K = 2048
@@ -184,9 +192,10 @@ def estimated_time(t: GemmTiles, layout: Layout, world: int, rows: int, hidden: 
 
 
 def fit_tile_rows(extent: int, cooperative: bool, blocks: bool = False) -> int:
-    """Weight rows of a fitted tile (fit_gemm.cuh consumer_rows): 128 a consumer, 64 in blocks
-    past FIT_BLOCKS_HALVES_MAX_ROWS tokens; both consumers' in the cooperative mode."""
-    rows = 64 if blocks and extent > FIT_BLOCKS_HALVES_MAX_ROWS else 128
+    """Weight rows of a fitted tile (fit_gemm.cuh consumer_rows): 128 a consumer, 64 past
+    FIT_MAX_ROWS tokens (in blocks past FIT_BLOCKS_HALVES_MAX_ROWS); both consumers' in the
+    cooperative mode."""
+    rows = 64 if extent > (FIT_BLOCKS_HALVES_MAX_ROWS if blocks else FIT_MAX_ROWS) else 128
     return 2 * rows if cooperative else rows
 
 
@@ -208,13 +217,16 @@ def fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
     return waves_cost(extent)[0], extent
 
 
-def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> GemmTiles:
-    """The fitted kernel's tiles of a call (`segments`'s arguments; the FIT_* rules above)."""
+def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
+                 coop_max_rows: int = FIT_COOP_PICK_MAX_ROWS) -> GemmTiles:
+    """The fitted kernel's tiles of a call (`segments`'s arguments; the FIT_* rules above): a
+    cooperative pick to FIT_MAX_ROWS tokens, or one of 64-row consumers to coop_max_rows
+    where its waves stay within FIT_COOP_MAX_WAVES, else the ping-pong mode."""
     waves, extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=True)
-    cooperative = waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS
-    if not cooperative:
-        extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1]
-    return fit_tiles(extent, cooperative)
+    if waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS:
+        wide = fit_pick(layout, world, rows, hidden, ctas, True, coop_max_rows)
+        return fit_tiles(wide[1] if wide[0] <= FIT_COOP_MAX_WAVES else extent, True)
+    return fit_tiles(fit_pick(layout, world, rows, hidden, ctas, cooperative=False)[1], False)
 
 
 def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
@@ -297,7 +309,7 @@ def blocks_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
                  fitted: bool) -> GemmTiles:
     """The tiles of a call with e4m3 operands in blocks (`tiles_for`): the fitted kernel's in
     its cooperative mode where it runs (fitted), of token extents up to
-    FIT_BLOCKS_PICK_MAX_ROWS, or up to FIT_BLOCKS_MAX_ROWS where those take at most
+    FIT_BLOCKS_PICK_MAX_ROWS, or up to FIT_WIDE_MAX_ROWS where those take at most
     FIT_BLOCKS_WIDE_MAX_WAVES waves and no more than the narrower ones (one or two fuller
     tiles a CTA); else the fastest one-consumer tiles by `estimated_time`. Cooperative: its
     consumers' main loops run at once, so one's scaling of a K block's products runs beside the
@@ -305,7 +317,7 @@ def blocks_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
     scales)."""
     if fitted:
         narrow, wide = (fit_pick(layout, world, rows, hidden, ctas, True, most, blocks=True)
-                        for most in (FIT_BLOCKS_PICK_MAX_ROWS, FIT_BLOCKS_MAX_ROWS))
+                        for most in (FIT_BLOCKS_PICK_MAX_ROWS, FIT_WIDE_MAX_ROWS))
         take_wide = wide[0] <= min(FIT_BLOCKS_WIDE_MAX_WAVES, narrow[0])
         tiles = fit_tiles((wide if take_wide else narrow)[1], True, blocks=True)
     else:

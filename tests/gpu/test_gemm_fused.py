@@ -373,8 +373,9 @@ def _skip_without_fitted():
 
 # (token extent, cooperative) of the fitted tiles the fitted kernel's tests force in turn.
 # (144 and 168 cooperative: the epilogue's 16-row passes, two buffers and one buffer with a
-# partial last pass)
-FITTED_SHAPES = ((16, False), (72, True), (136, False), (144, True), (168, True), (176, True))
+# partial last pass; 200 cooperative: consumers of 64 weight rows, a partial last pass)
+FITTED_SHAPES = ((16, False), (72, True), (136, False), (144, True), (168, True), (176, True),
+                 (200, True))
 # in blocks up to 104 tokens consumers of 128 weight rows, past it of 64 (to 208)
 FITTED_BLOCK_SHAPES = ((16, True), (40, False), (72, True), (104, False), (112, True),
                        (168, False), (208, True))
@@ -777,7 +778,7 @@ def test_fp8_blocks_tokens_as_m_matches_dequantized_reference():
 
 def test_fp8_gemm_refuses_bad_input():
     """FP8 calls with 16-bit tiles, block scales on the ping-pong kernel or on fitted tiles of
-    more than FIT_BLOCKS_MAX_ROWS tokens, operands not e4m3, scales of the wrong shape or
+    more than FIT_WIDE_MAX_ROWS tokens, operands not e4m3, scales of the wrong shape or
     dtype, or blockwise K not whole blocks, the tokens as M with scales per tensor:
     TokenWeaveInputError, nothing launched."""
     _skip_without_kernels()

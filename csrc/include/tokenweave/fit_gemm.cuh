@@ -8,7 +8,8 @@
 // computes a whole extra row block and, past a wave of tiles, a whole extra wave: 0.5-0.8x of
 // cuBLAS there (docs/kernel.md). cuBLAS fits its tiles' token extent to the count. Here the
 // operands are swapped (the weight's rows are the MMA's M; the tokens its N, any multiple of 8
-// from 16 to 176, a template parameter BN the host fits to the call: ops/segments.fitted_tiles),
+// from 16 to 176, to 208 in the cooperative mode: consumer_rows; a template parameter BN the
+// host fits to the call: ops/segments.fitted_tiles),
 // so a tile holds as many tokens as the call needs and a count's tail costs at most 7 padded
 // rows per tile. A row's owner is computed per row, so segments need not align with tiles.
 //
@@ -25,11 +26,11 @@
 // add, so the tensor cores take the other consumer's MMAs meanwhile (both consumers run their
 // main loops at once in the cooperative mode). Two accumulators a thread bound a consumer of 128
 // weight rows to kMaxHalvesBlocksBN tokens; past it a consumer takes 64 weight rows (one m64
-// wgmma a K step: consumer_rows), up to kMaxBlocksBN tokens in the same registers.
+// wgmma a K step: consumer_rows), up to kMaxWideBN tokens in the same registers.
 //
 // Tokens as M (kTokensM, e4m3 in blocks only): the operands the other way round, the tokens the
 // MMA's M (64 a consumer: one m64 wgmma a K step) and the weight's rows its N (BN, the tile's
-// weight extent: a multiple of 8 to kMaxBlocksBN, not the call's token count). A consumer
+// weight extent: a multiple of 8 to kMaxWideBN, not the call's token count). A consumer
 // thread's accumulators then hold two token rows (warp * 16 + lane / 4 and + 8) by the tile's
 // columns, so a K block is scaled by two x scales a thread (not BN / 4), loaded from global
 // memory while the block's MMAs run, and by the scales of the weight blocks the tile's columns
@@ -56,10 +57,10 @@
 //   128-byte-swizzled K-major rows), each slot with a `full` barrier
 //   (transaction bytes) and an `empty` barrier (the consumer warps' release);
 // - warpgroups 1 and 2, the consumers, each with a kBM x BN fp32 tile part in registers (kBM 128:
-//   two m64nBN wgmma per 32 bytes of K; 64 in blocks past kMaxHalvesBlocksBN tokens, where below
-//   every 128 weight rows are 64 and 256 are 128); 16-bit and per tensor one wgmma group in
-//   flight, each slot released as the next group is issued; in blocks each stage's group waited
-//   for, the slot released after its adds. kCoop = false ("ping-pong"): consumer c takes the
+//   two m64nBN wgmma per 32 bytes of K; 64 past kMaxBN tokens in the cooperative mode, in blocks
+//   past kMaxHalvesBlocksBN, where below every 128 weight rows are 64 and 256 are 128); 16-bit
+//   and per tensor one wgmma group in flight, each slot released as the next group is issued; in
+//   blocks each stage's group waited for, the slot released after its adds. kCoop = false ("ping-pong"): consumer c takes the
 //   CTA's tiles c, c + 2, ... of 128 weight rows; their main loops alternate (named barriers 1
 //   and 2: a consumer waits for the slots of its tile only after the other consumer waited for
 //   all of the previous tile's, so the parity it waits on is its own fill, never an older one),
@@ -97,9 +98,10 @@ constexpr int kEpiTokens = 32;      // tokens per epilogue pass (two buffers per
                                     // less staging where that frees a stage (Shape)
 constexpr int kGroupM = 8;          // weight tiles per group of the tile order
 constexpr int kMinBN = 16;
-constexpr int kMaxBN = 176;         // BN fp32 accumulators per consumer thread: no spills to 176
+constexpr int kMaxBN = 176;         // 128-row consumers: BN fp32 accumulators a thread, no spills
 constexpr int kMaxHalvesBlocksBN = 104;  // e4m3 in blocks, 128-row consumers: 2 x BN accumulators
-constexpr int kMaxBlocksBN = 208;   // e4m3 in blocks, 64-row consumers: 2 x BN / 2 accumulators
+constexpr int kMaxWideBN = 208;     // 64-row consumers (wgmma N to 208): BN / 2 accumulators a
+                                    // thread, 2 x BN / 2 in blocks
 constexpr int kScaleLead = 4;       // e4m3 in blocks: x scales per 16 bytes (a TMA box's start)
 constexpr int kTokensMEpiCols = 64;  // kTokensM: weight columns per epilogue pass
 constexpr int kSmemLimit = 232448;  // bytes of dynamic shared memory per block (sm_90)
@@ -127,11 +129,20 @@ struct FitGemmParams {
   int start;                   // the first token tile (rotation)
 };
 
-// Weight rows per consumer: two m64 halves (BN accumulators a thread), or one in blocks past
-// kMaxHalvesBlocksBN tokens (a K block's products beside the sums: 2 x BN / 2 a thread), which
-// keeps the tokens of a tile to kMaxBlocksBN within the registers of the halves' 104.
+// Weight rows per consumer: two m64 halves (BN accumulators a thread), or one past kMaxBN
+// tokens, in blocks past kMaxHalvesBlocksBN (a K block's products beside the sums: 2 x BN / 2 a
+// thread), which takes a tile to kMaxWideBN tokens within the same registers. Why wider tiles
+// of fewer weight rows: a count such as 777 fits 4 x 200 tokens (3 % padding) where tiles of at
+// most 176 take 8 x 104 (7 %) for as many tiles; cuBLAS picks 128 x 200 there.
 __host__ __device__ constexpr int consumer_rows(int bn, bool blocks) {
-  return blocks && bn > kMaxHalvesBlocksBN ? kHalfM : 2 * kHalfM;
+  return bn > (blocks ? kMaxHalvesBlocksBN : kMaxBN) ? kHalfM : 2 * kHalfM;
+}
+
+// The largest token extent of an instantiation: 64-row consumers past kMaxBN in blocks or in
+// the cooperative mode (one CTA), not as ping-pong tiles of 64 weight rows (16-bit or per
+// tensor), nor in pairs.
+__host__ __device__ constexpr int max_bn(bool coop, bool blocks, bool pair) {
+  return blocks || (coop && !pair) ? kMaxWideBN : kMaxBN;
 }
 
 // Pipeline stages of stage_bytes that fit beside epi_bytes of epilogue staging (at most 8).
@@ -187,8 +198,8 @@ struct Shape {
   static constexpr int kStages = stages_beside(kStageBytes, kEpiBytes);
   static constexpr int kSmem = kStages * kStageBytes + kEpiBytes + kBarrierBytes;
   // kTokensM: the same registers as 64-row consumers in blocks, 2 x BN / 2 floats a thread.
-  static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= (kBlocks ? kMaxBlocksBN : kMaxBN),
-                "BN: a multiple of 8 in kMinBN..kMaxBN (kMaxBlocksBN in blocks)");
+  static_assert(BN % 8 == 0 && BN >= kMinBN && BN <= max_bn(kCoop, kBlocks, kPair),
+                "BN: a multiple of 8 in kMinBN..max_bn");
   static_assert(kStages >= (kLessStaging ? 4 : 3), "too few pipeline stages fit");
   static_assert(!kTokensM || kBlocks, "tokens as M: e4m3 operands in blocks only");
   static_assert(!kPair || (kCoop && !kBlocks), "pairs: the cooperative mode, not in blocks");

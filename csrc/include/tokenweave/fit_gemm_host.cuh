@@ -191,7 +191,7 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
   if constexpr (kTokensM)
     known = with_value(bn, go, TokensMExtents{});
   else
-    known = with_value(bn, go, BnRange<kBlocks ? kMaxBlocksBN : kMaxBN>{});
+    known = with_value(bn, go, BnRange<max_bn(kCoop, kBlocks, kPair)>{});
   if (!known) return LaunchStatus::kBadBN;
   return err == cudaSuccess ? LaunchStatus::kOk : LaunchStatus::kCuda;
 }
