@@ -193,11 +193,12 @@ def gpt_to_hybrid_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     and the local spec (TE's fused norms sit under their linears, which move with them)."""
     out: dict[str, Any] = {}
     for key, value in state_dict.items():
+        name = key
         if key.startswith("decoder.layers."):
             _, _, index, rest = key.split(".", 3)
             second = rest.startswith(("pre_mlp_layernorm.", "mlp."))
-            key = f"decoder.layers.{2 * int(index) + second}.{rest}"
+            name = f"decoder.layers.{2 * int(index) + second}.{rest}"
         elif key.startswith("decoder.final_layernorm."):
-            key = "decoder.final_norm." + key.removeprefix("decoder.final_layernorm.")
-        out[key] = value
+            name = "decoder.final_norm." + key.removeprefix("decoder.final_layernorm.")
+        out[name] = value
     return out

@@ -647,6 +647,59 @@ def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden
             FIT_WIDE_MAX_ROWS if t.cooperative else most)
 
 
+def test_gemm_join_restores_each_rows_gemm_from_its_order(tmp_path, monkeypatch):
+    """docs/results/gemm_join.py --gemm-from-order: rows written in bench gemm_fused's order
+    (per point o_proj's, then fc2's, each impl once a pass) with a wrong `gemm` field get
+    o_proj and fc2 back, the timings untouched; a point without both is refused. The
+    joined file keeps every row, and the summary reads the wide tiles' speed over the narrow
+    ones from the fitted kernel's rows (the pick's, or the one timed beside a Triton pick)."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "docs" / "results" / "gemm_join.py"
+    spec = importlib.util.spec_from_file_location("gemm_join", path)
+    join = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(join)
+
+    def point(tokens, tiles, impls, us):
+        return [dict(model="m", tp=2, tokens=tokens, dtype="bf16", gemm="wide", impl=i,
+                     us=us[g][i] * (1 + p / 100), tiles=tiles[g], **{"pass": p})
+                for g in ("o_proj", "fc2") for p in (0, 1) for i in impls]
+
+    fit = {"o_proj": "fit104c", "fc2": "fit104c"}
+    times = {"o_proj": dict(cublas=10.0, tokenweave=12.0, tokenweave_wide=11.0),
+             "fc2": dict(cublas=20.0, tokenweave=22.0, tokenweave_wide=21.0)}
+    rows = point(777, fit, ("cublas", "tokenweave", "tokenweave_wide"), times)
+    triton = {"o_proj": "pingpong", "fc2": "pingpong"}
+    beside = {g: dict(cublas=t["cublas"], tokenweave=t["cublas"], tokenweave_fitted=12.0,
+                      tokenweave_wide=10.0) for g, t in times.items()}
+    rows += point(1531, triton, ("cublas", "tokenweave", "tokenweave_fitted",
+                                 "tokenweave_wide"), beside)
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps(dict(gpu="H200", date="d", command="c", rows=rows)))
+    join.gemm_from_order(rows)
+    assert [r["gemm"] for r in rows[:6]] == ["o_proj"] * 6
+    assert [r["gemm"] for r in rows[6:12]] == ["fc2"] * 6
+    assert all(r["us"] in (t[r["impl"]], t[r["impl"]] * 1.01) for r in rows[:12]
+               for t in (times[r["gemm"]],))
+    pick, both = join.bounds(rows)
+    assert pick[("bf16", 777, "m", "o_proj", 2)] == pytest.approx(10.0 / 12.0)
+    assert both[("bf16", 777, "m", "fc2", 2)] == pytest.approx((20.0 / 22.0, 20.0 / 21.0))
+    assert both[("bf16", 1531, "m", "o_proj", 2)] == pytest.approx((10.0 / 12.0, 10.0 / 10.0))
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["gemm_join.py", str(out), "cmd", str(src),
+                                      "--gemm-from-order"])
+    join.main()
+    joined = json.loads(out.read_text())
+    assert joined["command"] == "cmd" and len(joined["rows"]) == len(rows)
+    assert (tmp_path / "out.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="do not split"):
+        join.gemm_from_order(rows[:6])  # o_proj's rows alone
+
+
 def test_gemm_fused_plot_draws_a_joined_file(tmp_path):
     """bench gemm_fused's plot of rows joined from several runs (docs/results/gemm_fused_1gpu.json
     is one): a model timed in bf16 only beside one timed in both dtypes, and a run with fewer TP

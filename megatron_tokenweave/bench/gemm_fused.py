@@ -202,11 +202,11 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
         if fit_seg is not None and fp8 != "blocks":
             # the fitted tiles with cooperative extents to FIT_MAX_ROWS (128-row consumers) and
             # to FIT_WIDE_MAX_ROWS (64-row ones past it), whichever the pick rule did not take
-            for name, most in (("narrow", FIT_MAX_ROWS), ("wide", FIT_WIDE_MAX_ROWS)):
+            for bound, most in (("narrow", FIT_MAX_ROWS), ("wide", FIT_WIDE_MAX_ROWS)):
                 tiles = replace(fitted_tiles(Layout.REPLICATED, tp, tokens, n, sms, most),
                                 block_k=triton.tiles.block_k)
                 if tiles != fit_seg.tiles:
-                    other[f"tokenweave_{name}"] = segments(
+                    other[f"tokenweave_{bound}"] = segments(
                         Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
             # its cooperative tiles of 128-row consumers in pairs of CTAs (never the pick)
             if fit_seg.tiles.cooperative and fit_seg.tiles.block_rows <= FIT_MAX_ROWS:

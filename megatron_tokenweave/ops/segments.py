@@ -128,8 +128,11 @@ FIT_MIN_ROWS, FIT_MAX_ROWS = 16, 176
 # 184..208: at 777 tokens 4 x 200, 3 % padding, where tiles to 176 take 8 x 104, 7 %, for as
 # many tiles; cuBLAS runs 128 x 200 there). `fitted_tiles(..., coop_max_rows)` takes them in
 # place of a cooperative pick of at most FIT_COOP_MAX_WAVES waves where they cost less in as
-# many waves; the pick's own bound, FIT_COOP_PICK_MAX_ROWS, keeps them out until measured
-# (`bench gemm_fused` times them beside the pick: `tokenweave_wide`).
+# many waves; the pick's bound FIT_COOP_PICK_MAX_ROWS. Measured beside the tiles to 176 (one
+# H200, 2026-12-07, docs/results/gemm_fit_wide_1gpu.json; `bench gemm_fused` times the bound
+# the pick did not take: `tokenweave_wide` / `_narrow`): 1.023-1.060x faster at all 54 points
+# of 777 tokens (Llama-3-8B, Llama-3.3-70B, Qwen2.5-72B, o_proj and fc2, TP 2/4/8; bf16, fp16,
+# e4m3 per tensor), 1.003-1.028x at 1531 (Llama-3-8B, where the Triton pick stays).
 # e4m3 in blocks a consumer holds two accumulators: of 128 weight rows up to
 # FIT_BLOCKS_HALVES_MAX_ROWS tokens, of 64 above it up to FIT_WIDE_MAX_ROWS.
 # The pick's extents past FIT_BLOCKS_PICK_MAX_ROWS (64-row consumers) only where their tiles
@@ -150,7 +153,7 @@ FIT_TOKENS_M_EXTENTS = (64, 96, 128, 144, 160, 176, 192, 208)
 FIT_TILE_COST = 16
 FIT_COOP_MAX_WAVES = 2
 FIT_COOP_MIN_ROWS = 96
-FIT_COOP_PICK_MAX_ROWS = FIT_MAX_ROWS
+FIT_COOP_PICK_MAX_ROWS = FIT_WIDE_MAX_ROWS
 FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
 FIT_FP8_MIN_K = 2048
