@@ -31,6 +31,7 @@ from megatron_tokenweave.ops.segments import (
     FIT_LONG_MIN_TILES,
     FIT_MAX_ROWS,
     FIT_MIN_CALL,
+    FIT_MIN_K,
     FIT_MIN_ROWS,
     FIT_TILE_COST,
     FIT_WIDE_MAX_ROWS,
@@ -303,18 +304,18 @@ def test_fitted_tiles_fit_the_call(layout, world, shape):
 @pytest.mark.parametrize("layout,world,shape", FIT_LAYOUT_CASES)
 def test_fitted_kernel_takes_calls_where_the_triton_tiles_waste_waves(layout, world, shape):
     """Where the fitted kernel runs (`fitted`), it takes the calls of at least FIT_MIN_CALL rows
-    whose Triton pick covers the call's area at under FIT_BELOW of its waves; elsewhere, and
-    wherever it does not run, the Triton pick stands."""
+    over at least FIT_MIN_K in-features whose Triton pick covers the call's area at under
+    FIT_BELOW of its waves; elsewhere, and wherever it does not run, the Triton pick stands."""
     hidden, ctas = shape
-    k = 4096
-    for rows in range(1, 5000, 37):
+    for k, rows in itertools.product((FIT_MIN_K - 128, FIT_MIN_K, 4096), range(1, 5000, 37)):
         triton = tiles_for(layout, world, rows, hidden, k, ctas)
         assert not triton.fitted
         total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
         waste = wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW
+        takes = total >= FIT_MIN_CALL and k >= FIT_MIN_K and waste
         got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
-        assert got == (fitted_tiles(layout, world, rows, hidden, ctas)
-                       if total >= FIT_MIN_CALL and waste else triton), rows
+        assert got == (fitted_tiles(layout, world, rows, hidden, ctas) if takes else triton), (
+            k, rows)
 
 
 def test_fitted_kernel_of_the_measured_shapes():
