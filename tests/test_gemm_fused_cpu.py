@@ -24,6 +24,7 @@ from megatron_tokenweave.communicator import Communicator, WorkspaceCapacityErro
 from megatron_tokenweave.ops import Layout, TokenWeaveInputError, fused_allreduce_rmsnorm_reference
 from megatron_tokenweave.ops.segments import (
     FIT_BELOW,
+    FIT_BELOW_SHORT_K,
     FIT_COOP_MAX_WAVES,
     FIT_COOP_MIN_ROWS,
     FIT_COOP_PICK_MAX_ROWS,
@@ -31,8 +32,8 @@ from megatron_tokenweave.ops.segments import (
     FIT_LONG_MIN_TILES,
     FIT_MAX_ROWS,
     FIT_MIN_CALL,
-    FIT_MIN_K,
     FIT_MIN_ROWS,
+    FIT_SHORT_K,
     FIT_TILE_COST,
     FIT_WIDE_MAX_ROWS,
     FP8_BLOCK_K,
@@ -304,15 +305,17 @@ def test_fitted_tiles_fit_the_call(layout, world, shape):
 @pytest.mark.parametrize("layout,world,shape", FIT_LAYOUT_CASES)
 def test_fitted_kernel_takes_calls_where_the_triton_tiles_waste_waves(layout, world, shape):
     """Where the fitted kernel runs (`fitted`), it takes the calls of at least FIT_MIN_CALL rows
-    over at least FIT_MIN_K in-features whose Triton pick covers the call's area at under
-    FIT_BELOW of its waves; elsewhere, and wherever it does not run, the Triton pick stands."""
+    whose Triton pick covers the call's area at under FIT_BELOW of its waves (under
+    FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features); elsewhere, and wherever it does
+    not run, the Triton pick stands."""
     hidden, ctas = shape
-    for k, rows in itertools.product((FIT_MIN_K - 128, FIT_MIN_K, 4096), range(1, 5000, 37)):
+    for k, rows in itertools.product((FIT_SHORT_K - 128, FIT_SHORT_K, 4096), range(1, 5000, 37)):
         triton = tiles_for(layout, world, rows, hidden, k, ctas)
         assert not triton.fitted
         total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
-        waste = wave_efficiency(triton, layout, world, rows, hidden, ctas) < FIT_BELOW
-        takes = total >= FIT_MIN_CALL and k >= FIT_MIN_K and waste
+        below = FIT_BELOW if k >= FIT_SHORT_K else FIT_BELOW_SHORT_K
+        takes = total >= FIT_MIN_CALL and wave_efficiency(
+            triton, layout, world, rows, hidden, ctas) < below
         got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
         assert got == (fitted_tiles(layout, world, rows, hidden, ctas) if takes else triton), (
             k, rows)

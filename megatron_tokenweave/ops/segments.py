@@ -156,17 +156,19 @@ FIT_COOP_MIN_ROWS = 96
 FIT_COOP_PICK_MAX_ROWS = FIT_WIDE_MAX_ROWS
 FIT_BELOW = 0.85
 FIT_MIN_CALL = 512
-# Nor over fewer than FIT_MIN_K in-features (16-bit and per tensor): there a tile's fixed costs
-# (the ring's fill, the epilogue) weigh on 7-14 K steps, and the fitted kernel the wave rule gave
-# ran slower than the Triton pick it displaced at 22 of 34 such points (the o_proj shards of
-# Qwen2.5-7B at TP 4 and 8, Qwen2.5-32B and Llama-3-8B at TP 8, K = 448-896: 0.79-1.00x of its
-# speed). Keeping the Triton
-# pick there, by the rows of the same runs: 1.061x at the median over those 34 points (one H200,
-# bf16, 2026-12-07, gemm_fused_1gpu.json: 440 -> 444 points at 0.98x of cuBLAS), 1.040x (one
-# H100, fp16, 2026-12-06, gemm_fused_1gpu_fp16.json: 264 -> 269) and 1.040x (one H100, e4m3
-# per tensor, gemm_fused_1gpu_fp8.json: 402 -> 410); at K >= 1024 the fitted kernel lost to it
-# at 14 of 140 points on the H200.
-FIT_MIN_K = 1024
+# Over fewer than FIT_SHORT_K in-features (16-bit and per tensor) only where that efficiency is
+# under FIT_BELOW_SHORT_K: there a tile's fixed costs (the ring's fill, the epilogue) weigh on
+# 7-14 K steps, and the fitted kernel the 0.85 rule gave ran slower than the Triton pick it
+# displaced at 22 of 34 such points (the o_proj shards of Qwen2.5-7B at TP 4 and 8, Qwen2.5-32B
+# and Llama-3-8B at TP 8, K = 448-896), 21 of them with efficiencies of 0.757-0.848, while
+# under 0.74 it was the faster at 10 of 11 (513 / 641 / 777 / 1279 tokens: up to 1.13x; the
+# 11th slower by 0.4 %). Keeping the Triton pick at the 23 points of 0.75-0.85, by the rows of
+# the same runs: 1.094x at the median there
+# (0.956-1.26x; one H200, bf16, 2026-12-07, gemm_fused_1gpu.json: 440 -> 444 points at 0.98x of
+# cuBLAS), 1.059x (one H100, fp16, 2026-12-06, gemm_fused_1gpu_fp16.json: 264 -> 269) and 1.072x
+# (one H100, e4m3 per tensor, gemm_fused_1gpu_fp8.json: 402 -> 410).
+FIT_SHORT_K = 1024
+FIT_BELOW_SHORT_K = 0.75
 FIT_FP8_MIN_K = 2048
 FP8_PARTIAL_BOX_MIN_K = 4096
 # The device matters for 16-bit calls of many tiles: on an H100 (HBM3, 3.35 TB/s) the Triton
@@ -293,8 +295,8 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     ping-pong tiles took three waves where WIDE's took two, 0.65-0.90x of cuBLAS against
     0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two").
     fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
-    at least FIT_MIN_CALL rows over at least FIT_MIN_K in-features where the Triton pick's wave
-    efficiency is under FIT_BELOW.
+    at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW (under
+    FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features).
     fp8: e4m3 operands scaled as FP8_SCALINGS names: per tensor the same rules, and the
     fitted kernel also over more than FIT_FP8_MIN_K in-features where its tiles take its
     ping-pong mode; the one-consumer tiles instead over more than FP8_PARTIAL_BOX_MIN_K whose
@@ -309,8 +311,9 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
         return blocks_tiles(layout, world, rows, hidden, ctas, fitted)
     picked = _triton_tiles(layout, world, rows, hidden, k, ctas)
     # The fitted tiles are worked out only where they may be taken (a per-call host cost).
-    may_fit = fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL and k >= FIT_MIN_K
-    if may_fit and wave_efficiency(picked, layout, world, rows, hidden, ctas) < FIT_BELOW:
+    may_fit = fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
+    below = FIT_BELOW if k >= FIT_SHORT_K else FIT_BELOW_SHORT_K
+    if may_fit and wave_efficiency(picked, layout, world, rows, hidden, ctas) < below:
         picked = fitted_tiles(layout, world, rows, hidden, ctas)
     elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
         picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
