@@ -54,7 +54,8 @@
 #          the woven layer's parity with it (ranks sharing the GPU)
 #   gemm_sweep  the communicating GEMM against cuBLAS / TE (bench gemm_fused's default sweep:
 #          23 counts, every dense family, TP 2/4/8, 10 replays; TE rows where `stage.sh te` was
-#          carried), bf16 (~6 min); gemm_sweep_fp16 the same in fp16
+#          carried), bf16, one process per model (`sweep` below: ~30-70 s each on one H200);
+#          gemm_sweep_fp16 the same in fp16
 #   gemm_fp8  the communicating GEMM's FP8 forms: their GPU tests (loopback inbox; operands in
 #          padded rows among them), then bench
 #          gemm_fused's default sweep with e4m3 operands scaled per tensor against cuBLAS's FP8
@@ -114,6 +115,19 @@ step() {
   timeout "$limit" "$@" 2>&1 | quiet > "$logs/$name.log"; local rc=${PIPESTATUS[0]}
   tail -"${TAIL:-12}" "$logs/$name.log"; echo "-- $name rc=$rc"; pack_logs; return "$rc"
 }
+# bench gemm_fused's default sweep in DTYPE, one process per dense model (a call cut at its limit
+# keeps the models before), the JSONs packed after each into $out/gemm_sweep_DTYPE.tgz (a call
+# brings back few files); join them with docs/results/gemm_join.py.
+sweep() {
+  local dt=$1 dir=/tmp/gemm_sweep_$1 m
+  rm -rf "$dir"; mkdir -p "$dir"
+  for m in $(python -c "from megatron_tokenweave.bench.gemm_fused import DENSE; print(*DENSE)" \
+               2>/dev/null); do
+    TAIL=2 step "gemm_sweep_${dt}_$m" 200 python -m megatron_tokenweave.bench gemm_fused \
+      --dtypes "$dt" --models "$m" --iters 10 --out "$dir/$m.json"
+    (cd "$dir" && ls ./*.json > /dev/null 2>&1 && tar czf "$out/gemm_sweep_$dt.tgz" ./*.json)
+  done
+}
 python -c "import torch, megatron_tokenweave._C" 2>/dev/null \
   || step build 200 python -m pip install -v --no-build-isolation --no-deps -e .
 python -c "import torch, megatron_tokenweave._C; print('extension: built by setup.py')" 2>&1 | tail -1
@@ -128,13 +142,11 @@ case "$phase" in
     dt=fp8; [ "$phase" = gemm_fp8 ] || dt=fp8_blocks
     [ "$dt" = fp8_blocks ] || TAIL=8 step gemm_fp8_test 300 python -m pytest -x -v -s \
       tests/gpu/test_gemm_fused.py -k "fp8 or padded_rows"
-    TAIL=4 step "gemm_sweep_$dt" 560 python -m megatron_tokenweave.bench gemm_fused \
-      --dtypes "$dt" --iters 10 --out "$out/gemm_fused_1gpu_$dt.json"
+    sweep "$dt"
     ;;
   gemm_sweep|gemm_sweep_fp16)
     dt=bf16; [ "$phase" = gemm_sweep ] || dt=fp16
-    TAIL=4 step "gemm_sweep_$dt" 560 python -m megatron_tokenweave.bench gemm_fused --dtypes "$dt" \
-      --iters 10 --out "$out/gemm_fused_1gpu_$dt.json"
+    sweep "$dt"
     ;;
   fp8)
     TAIL=30 step fp8_layer 560 python -m pytest -x -v -s tests/gpu/test_layer_gpu.py -k fp8
