@@ -163,10 +163,10 @@ FIT_MIN_CALL = 512
 # and Llama-3-8B at TP 8, K = 448-896), 21 of them with efficiencies of 0.757-0.848, while
 # under 0.74 it was the faster at 10 of 11 (513 / 641 / 777 / 1279 tokens: up to 1.13x; the
 # 11th slower by 0.4 %). Keeping the Triton pick at the 23 points of 0.75-0.85, by the rows of
-# the same runs: 1.094x at the median there
-# (0.956-1.26x; one H200, bf16, 2026-12-07, gemm_fused_1gpu.json: 440 -> 444 points at 0.98x of
-# cuBLAS), 1.059x (one H100, fp16, 2026-12-06, gemm_fused_1gpu_fp16.json: 264 -> 269) and 1.072x
-# (one H100, e4m3 per tensor, gemm_fused_1gpu_fp8.json: 402 -> 410).
+# the same runs: 1.094x at the median there (0.956-1.26x; one H200, bf16, 2026-12-07,
+# gemm_fused_1gpu.json: 440 -> 444 points at 0.98x of cuBLAS), 1.059x (one H100, fp16,
+# 2026-12-06, gemm_fused_1gpu_fp16.json: 264 -> 269) and 1.072x (one H100, e4m3 per tensor,
+# 2026-12-06, gemm_fused_1gpu_fp8.json: 402 -> 410); docs/kernel.md "Short K".
 FIT_SHORT_K = 1024
 FIT_BELOW_SHORT_K = 0.75
 FIT_FP8_MIN_K = 2048
