@@ -4,9 +4,9 @@
 # csrc/include/tokenweave/, a .patch, or patches joined by '+': ../ab_builds.sh), all built in
 # place at once; the fitted kernel's GPU tests on the tree; then `bench gemm_fused` once per
 # build and pass, each its own process, passes in a balanced order (tree, variants, variants
-# reversed, tree). Results: $OUT/ab_<build>_{0,1}.json (combine with ab_json.py, or
-# ../fit_epilogue/ab_json.py); a build named with a '+' is saved with '_' in its place (the
-# device call returns no file with a '+' in its name).
+# reversed, tree). Results: $OUT/ab.tgz holding ab_<build>_{0,1}.json (after `tar xzf`, combine
+# with ab_json.py or ../fit_epilogue/ab_json.py), packed after each pass (a device call returns
+# few files, none with a '+' in its name: a build named with a '+' is saved with '_').
 #   bash docs/results/fit_stages/ab.sh VARIANT... [-- bench gemm_fused arguments]
 set -u
 variants=()
@@ -15,7 +15,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ ${#variants[@]} -ge 1 ] || { echo "usage: ab.sh VARIANT... [-- bench args]"; exit 2; }
 args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--dtypes bf16 --tp 2 4 8 --tokens 513 641 1000 1024 1279)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-out=${OUT:-/tmp}
+out=$(mktemp -d)
 t0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader
 source "$(dirname "$0")/../ab_builds.sh"
@@ -26,6 +26,7 @@ bench() {  # bench INDEX PASS
   (cd "${dirs[$1]}" && timeout 150 python3 -m megatron_tokenweave.bench gemm_fused "${args[@]}" \
      --iters 10 --out "$out/ab_${names[$1]//+/_}_$2.json" > /dev/null 2>&1
    echo "${names[$1]} pass $2 rc=$? at $(( $(date +%s) - t0 )) s")
+  (cd "$out" && tar czf "${OUT:-/tmp}/ab.tgz" ./*.json)
 }
 for i in "${!dirs[@]}"; do bench "$i" 0; done
 for (( i = ${#dirs[@]} - 1; i >= 0; i-- )); do bench "$i" 1; done
