@@ -1,9 +1,10 @@
-"""The epilogue probe's JSONs (../fit_stages/ab.sh with the probe patches: ab_<build>_{0,1}.json
-in SRC, the tree and each probe build) as one file, every row of cuBLAS and the pick tagged with
-its build and pass, its plot beside it; printed per token count, over the points whose pick is
-the fitted kernel: each probe build's time of the pick over the tree's (mean of the passes, each
-over cuBLAS in its own process), median, min and max: the share of the kernel's time that the
-part the probe leaves out costs.
+"""The epilogue probe's JSONs (../fit_stages/ab.sh with this folder's patches:
+ab_<build>_{0,1}.json in SRC, the tree and each other build) as one file, every row of cuBLAS
+and the pick tagged with its build and pass, its plot beside it; printed per token count, over
+the points whose pick is the fitted kernel: each other build's time of the pick over the tree's
+(mean of the passes, each over cuBLAS in its own process), median, min and max: for a probe
+build (no epilogue, no stores) the share of the kernel's time the part it leaves out costs, for
+a variant (bulk stores) its time relative to the tree's.
 
     python docs/results/fit_epilogue/ab_json.py SRC OUT.json "COMMAND"
 """
