@@ -750,7 +750,8 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
     const int max_bn = fit::max_bn(coop != 0, blocks, pair);
     TW_CHECK(bn >= fit::kMinBN && bn <= max_bn && bn % 8 == 0,
              "tokenweave: fit_gemm: block_rows must be a multiple of 8 in ", fit::kMinBN, "..",
-             max_bn, blocks ? " (block scales)" : coop == 1 ? " (cooperative)" : "", ", got ", bn);
+             max_bn, blocks ? " (block scales)" : coop == 1 ? " (cooperative)" : "", ", got ",
+             bn);
   }
   TW_CHECK(ctas >= 1 && start >= 0, "tokenweave: fit_gemm: ctas ", ctas, ", start ", start);
   TW_CHECK(x.size(0) < (int64_t{1} << 31) && static_cast<int64_t>(slot_rows) * world *

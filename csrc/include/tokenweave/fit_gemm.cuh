@@ -60,10 +60,11 @@
 //   two m64nBN wgmma per 32 bytes of K; 64 past kMaxBN tokens in the cooperative mode, in blocks
 //   past kMaxHalvesBlocksBN, where below every 128 weight rows are 64 and 256 are 128); 16-bit
 //   and per tensor one wgmma group in flight, each slot released as the next group is issued; in
-//   blocks each stage's group waited for, the slot released after its adds. kCoop = false ("ping-pong"): consumer c takes the
-//   CTA's tiles c, c + 2, ... of 128 weight rows; their main loops alternate (named barriers 1
-//   and 2: a consumer waits for the slots of its tile only after the other consumer waited for
-//   all of the previous tile's, so the parity it waits on is its own fill, never an older one),
+//   blocks each stage's group waited for, the slot released after its adds. kCoop = false
+//   ("ping-pong"): consumer c takes the CTA's tiles c, c + 2, ... of 128 weight rows; their
+//   main loops alternate (named barriers 1 and 2: a consumer waits for the slots of its tile
+//   only after the other consumer waited for all of the previous tile's, so the parity it waits
+//   on is its own fill, never an older one),
 //   so one consumer's epilogue runs beside the other's MMAs. kCoop = true ("cooperative"): both
 //   take every tile, of 256 weight rows, 128 each: a third fewer operand bytes per MMA through
 //   shared memory, the epilogue not overlapped (measured faster where each CTA has one or two
