@@ -60,7 +60,7 @@ status=0
 declare -A PTX_NEEDS=(
   [csrc/launch_multimem.cu]="multimem.ld_reduce multimem.st"
   [csrc/launch_fit_gemm_bf16.cu]="multicast::cluster mapa.shared::cluster.u32 mbarrier.arrive.shared::cluster.b64 barrier.cluster.wait.acquire.aligned wgmma.mma_async.sync.aligned.m64n208k16.f32.bf16.bf16"
-  [csrc/launch_fit_gemm_e4m3_bf16.cu]="wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3"
+  [csrc/launch_fit_gemm_e4m3_bf16.cu]="wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3"
   [csrc/launch_fit_gemm_e4m3_blocks_bf16.cu]="wgmma.mma_async.sync.aligned.m64n104k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3"
   [csrc/launch_fit_gemm_e4m3_blocks_tokens_m_bf16.cu]="wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3 stmatrix.sync.aligned.m8n8.x4.shared.b16"
 )

@@ -119,10 +119,12 @@ step() {
 # keeps the models before), the JSONs packed after each into $out/gemm_sweep_DTYPE.tgz (a call
 # brings back few files); join them with docs/results/gemm_join.py.
 sweep() {
-  local dt=$1 dir=/tmp/gemm_sweep_$1 m
+  local dt=$1 dir=/tmp/gemm_sweep_$1 m models
   rm -rf "$dir"; mkdir -p "$dir"
-  for m in $(python -c "from megatron_tokenweave.bench.gemm_fused import DENSE; print(*DENSE)" \
-               2>/dev/null); do
+  models=$(python -c "from megatron_tokenweave.bench.gemm_fused import DENSE; print(*DENSE)" \
+             2> "$logs/gemm_sweep_models.log") || { echo "sweep: no model list"; \
+                                                     tail -3 "$logs/gemm_sweep_models.log"; return 1; }
+  for m in $models; do
     TAIL=2 step "gemm_sweep_${dt}_$m" 200 python -m megatron_tokenweave.bench gemm_fused \
       --dtypes "$dt" --models "$m" --iters 10 --out "$dir/$m.json"
     (cd "$dir" && ls ./*.json > /dev/null 2>&1 && tar czf "$out/gemm_sweep_$dt.tgz" ./*.json)

@@ -702,6 +702,25 @@ def test_gemm_join_restores_each_rows_gemm_from_its_order(tmp_path, monkeypatch)
     assert (tmp_path / "out.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="do not split"):
         join.gemm_from_order(rows[:6])  # o_proj's rows alone
+    # a Triton pick without the fitted kernel beside it (no fitted kernel on that device)
+    plain = point(4096, {"o_proj": "large", "fc2": "large"}, ("cublas", "tokenweave"), times)
+    join.gemm_from_order(plain)
+    pick, both = join.bounds(plain)
+    assert len(pick) == 2 and not both
+
+
+def test_fit_tiles_take_64_row_consumers_in_the_cooperative_mode_only():
+    """Past FIT_MAX_ROWS tokens a fitted tile's consumers take 64 weight rows, which the kernel
+    has in its cooperative mode outside pairs (and in blocks, both modes): fit_tiles refuses
+    the others, and fitted_tiles takes a cooperative bound in FIT_MAX_ROWS..FIT_WIDE_MAX_ROWS."""
+    assert fit_tiles(208, True).block_cols == 128
+    assert fit_tiles(208, False, FP8_BLOCK_K, blocks=True).block_cols == 64
+    for kw in (dict(cooperative=False), dict(cooperative=True, pair=True)):
+        with pytest.raises(TokenWeaveInputError, match="past 176 tokens"):
+            fit_tiles(184, **kw)
+    for bad in (FIT_MAX_ROWS - 8, FIT_WIDE_MAX_ROWS + 8):
+        with pytest.raises(TokenWeaveInputError, match="coop_max_rows"):
+            fitted_tiles(Layout.REPLICATED, 2, 777, 8192, 132, bad)
 
 
 def test_gemm_fused_plot_draws_a_joined_file(tmp_path):

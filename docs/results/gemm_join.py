@@ -1,10 +1,11 @@
 """`bench gemm_fused` results of several processes (one per model or dtype, so a device call cut
 short keeps what finished) as one file of the same schema, its plot beside it (bench
-gemm_fused's; for a file of at most two token counts, the fitted kernel's speed with each
-cooperative extent bound, a point a shard); printed per dtype and token count: the pick's
-speed over cuBLAS (median, min, points at or above 0.98x), and where the fitted kernel's
-cooperative tiles were timed with both extent bounds beside each other (`tokenweave_wide` /
-`tokenweave_narrow`), the wide tiles' speed over the narrow ones (the mean over passes).
+gemm_fused's; for a file of at most two token counts that timed both cooperative extent
+bounds, the fitted kernel's speed with each, a point a shard); printed per dtype and token
+count: the pick's speed over cuBLAS (median, min, points at or above 0.98x), and where the
+fitted kernel's cooperative tiles were timed with both extent bounds beside each other
+(`tokenweave_wide` / `tokenweave_narrow`), the wide tiles' speed over the narrow ones (the
+mean over passes).
 
     python docs/results/gemm_join.py OUT.json "COMMAND" SRC.json... [--gemm-from-order]
 
@@ -56,11 +57,11 @@ def bounds(rows: list[dict]) -> tuple[dict, dict]:
         m = {i: statistics.mean(v) for i, v in t.items()}
         point = tuple(where)
         pick[point] = m["cublas"] / m["tokenweave"]
-        fitted = m["tokenweave" if tiles.startswith("fit") else "tokenweave_fitted"]
+        fitted = "tokenweave" if tiles.startswith("fit") else "tokenweave_fitted"
         if "tokenweave_wide" in m:
-            both[point] = (m["cublas"] / fitted, m["cublas"] / m["tokenweave_wide"])
+            both[point] = (m["cublas"] / m[fitted], m["cublas"] / m["tokenweave_wide"])
         elif "tokenweave_narrow" in m:
-            both[point] = (m["cublas"] / m["tokenweave_narrow"], m["cublas"] / fitted)
+            both[point] = (m["cublas"] / m["tokenweave_narrow"], m["cublas"] / m[fitted])
     return pick, both
 
 
@@ -121,10 +122,10 @@ def main() -> None:
         dump_result(result, fh)
     pick, both = bounds(rows)
     # a sweep: bench gemm_fused's plot; the two bounds timed at a few counts: both, a point each
-    if len({k[1] for k in pick}) > 2:
-        _plot(result, out.removesuffix(".json") + ".png")
-    else:
+    if len({k[1] for k in pick}) <= 2 and both:
         plot_bounds(both, head["gpu"], out.removesuffix(".json") + ".png")
+    else:
+        _plot(result, out.removesuffix(".json") + ".png")
     summary(pick, both)
 
 

@@ -17,7 +17,8 @@ tensor, where the Triton pick is the ping-pong kernel, the one-consumer kernel's
 too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in each mode at its own
 extent to FIT_WIDE_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`);
 where the fitted kernel's cooperative mode runs (not in blocks), its tiles of 128-row consumers
-in pairs of CTAs sharing each weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick);
+(the narrow ones below where the pick's take 64-row consumers) in pairs of CTAs sharing each
+weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick);
 not in blocks, the fitted tiles the pick rule gives with cooperative extents to FIT_MAX_ROWS
 (`tokenweave_narrow`) and to FIT_WIDE_MAX_ROWS (`tokenweave_wide`: 64-row consumers past
 FIT_MAX_ROWS), each where they are not the fitted tiles timed already.
@@ -208,9 +209,12 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                 if tiles != fit_seg.tiles:
                     other[f"tokenweave_{bound}"] = segments(
                         Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
-            # its cooperative tiles of 128-row consumers in pairs of CTAs (never the pick)
-            if fit_seg.tiles.cooperative and fit_seg.tiles.block_rows <= FIT_MAX_ROWS:
-                pair = replace(fit_seg.tiles, pair=True)
+            # its cooperative tiles of 128-row consumers (the narrow ones where those of the
+            # pick rule take 64-row ones) in pairs of CTAs (never the pick)
+            coop = fit_seg.tiles if fit_seg.tiles.block_rows <= FIT_MAX_ROWS else other.get(
+                "tokenweave_narrow", fit_seg).tiles
+            if coop.cooperative and coop.block_rows <= FIT_MAX_ROWS:
+                pair = replace(coop, pair=True)
                 other[f"tokenweave_{_tiles_name(pair)}"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=pair)
         if fp8 == "tensor" and triton.tiles.consumers == 2:

@@ -108,10 +108,11 @@ PINGPONG_MIN_TILES = 3
 RELEASES = ("gemm", "consumer")
 CONSUMER_RELEASE_MAX_WORK = 2.0
 # The fitted kernel (csrc/include/tokenweave/fit_gemm.cuh, sm_90): tiles of 128 weight rows
-# (ping-pong) or 256 (cooperative; in blocks past FIT_BLOCKS_HALVES_MAX_ROWS tokens 64 or 128:
-# `fit_tile_rows`) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
+# (ping-pong) or 256 (cooperative) by any multiple of 8 tokens in FIT_MIN_ROWS..FIT_MAX_ROWS,
+# and of 64 / 128 weight rows to FIT_WIDE_MAX_ROWS tokens (64-row consumers: cooperative past
+# FIT_MAX_ROWS, in blocks past FIT_BLOCKS_HALVES_MAX_ROWS in both modes; `fit_tile_rows`),
 # its consumer releasing the rows; 16-bit operands, or e4m3 ones scaled per tensor or in blocks
-# (in blocks up to FIT_WIDE_MAX_ROWS tokens; the pick: `blocks_tiles`). Measured
+# (the pick in blocks: `blocks_tiles`). Measured
 # on one H200 (docs/kernel.md, "The fitted kernel"):
 # - the token extent: the fewest waves x (extent + FIT_TILE_COST), a tile's fixed cost in tokens
 #   (the largest extent on ties: fewer, fuller tiles);
@@ -238,6 +239,9 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
     """The fitted kernel's tiles of a call (`segments`'s arguments; the FIT_* rules above): a
     cooperative pick to FIT_MAX_ROWS tokens, or one of 64-row consumers to coop_max_rows
     where its waves stay within FIT_COOP_MAX_WAVES, else the ping-pong mode."""
+    if not FIT_MAX_ROWS <= coop_max_rows <= FIT_WIDE_MAX_ROWS:
+        raise TokenWeaveInputError(f"coop_max_rows must be in {FIT_MAX_ROWS}.."
+                                   f"{FIT_WIDE_MAX_ROWS}, got {coop_max_rows}")
     waves, extent = fit_pick(layout, world, rows, hidden, ctas, cooperative=True)
     if waves <= FIT_COOP_MAX_WAVES and extent >= FIT_COOP_MIN_ROWS:
         wide = fit_pick(layout, world, rows, hidden, ctas, True, coop_max_rows)
@@ -258,6 +262,11 @@ def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
         raise TokenWeaveInputError(
             f"pairs of CTAs take the fitted kernel's cooperative mode, not in blocks: got "
             f"cooperative={cooperative}, blocks={blocks}, tokens_m={tokens_m}")
+    if not tokens_m and not blocks and extent > FIT_MAX_ROWS and (pair or not cooperative):
+        raise TokenWeaveInputError(
+            f"the fitted kernel's tiles past {FIT_MAX_ROWS} tokens (64-row consumers) take its "
+            f"cooperative mode outside pairs (or block scales): got extent {extent}, "
+            f"cooperative={cooperative}, pair={pair}")
     if tokens_m:
         if not blocks or extent not in FIT_TOKENS_M_EXTENTS:
             raise TokenWeaveInputError(

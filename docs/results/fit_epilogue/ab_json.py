@@ -43,12 +43,13 @@ def load(src: str) -> tuple[dict, list[dict]]:
 
 
 def shares(rows: list[dict]) -> dict[str, dict[tuple, float]]:
-    """build -> (model, gemm, tp, tokens, tiles) -> the pick's time over the tree's (each over
-    cuBLAS in its own process, the mean of the passes), where the pick is the fitted kernel."""
+    """build -> (model, gemm, tp, tokens, dtype, tiles) -> the pick's time over the tree's (each
+    over cuBLAS in its own process, the mean of the passes), where the pick is the fitted
+    kernel."""
     t = defaultdict(dict)
     for r in rows:
-        t[(r["build"], r["pass"], r["model"], r["gemm"], r["tp"], r["tokens"], r["tiles"])][
-            r["impl"]] = r["us"]
+        t[(r["build"], r["pass"], r["model"], r["gemm"], r["tp"], r["tokens"], r["dtype"],
+           r["tiles"])][r["impl"]] = r["us"]
     rel = defaultdict(lambda: defaultdict(list))
     for (build, p, *point), us in t.items():
         tree = t.get(("tree", p, *point))
