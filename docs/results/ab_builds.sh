@@ -31,3 +31,25 @@ ab_builds() {
   done
   wait; echo "built at $(( $(date +%s) - t0 )) s"
 }
+
+# `ab_setup VARIANT...`: the device call's environment (no NVLink multicast anywhere), a fresh
+# results folder `ab_out`, the start time `ab_t0`, the GPU's name, then `ab_builds VARIANT...`.
+ab_setup() {
+  export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    NVSHMEM_DISABLE_NVLS=1
+  ab_out=$(mktemp -d)
+  ab_t0=$(date +%s)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  ab_builds "$@"
+}
+
+# `ab_passes FN ARCHIVE`: `FN INDEX PASS` for every build, two passes in a balanced order (the
+# builds, then the builds reversed), ab_out's JSONs packed into $OUT/ARCHIVE after each (a
+# device call returns few files, none with a '+' in its name; one cut short keeps the passes
+# before).
+ab_passes() {
+  local fn=$1 archive=$2 i
+  for i in "${!dirs[@]}"; do "$fn" "$i" 0; ab_pack "$archive"; done
+  for (( i = ${#dirs[@]} - 1; i >= 0; i-- )); do "$fn" "$i" 1; ab_pack "$archive"; done
+}
+ab_pack() { (cd "$ab_out" && tar czf "${OUT:-/tmp}/$1" ./*.json); }

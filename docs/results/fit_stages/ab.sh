@@ -14,19 +14,13 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 [ ${#variants[@]} -ge 1 ] || { echo "usage: ab.sh VARIANT... [-- bench args]"; exit 2; }
 args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--dtypes bf16 --tp 2 4 8 --tokens 513 641 1000 1024 1279)
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-out=$(mktemp -d)
-t0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader
 source "$(dirname "$0")/../ab_builds.sh"
-ab_builds "${variants[@]}" || exit 1
+ab_setup "${variants[@]}" || exit 1
 timeout 150 python3 -m pytest -q -rf --tb=short -s tests/gpu/test_gemm_fused.py -k fitted \
   2>&1 | grep -E "cases exact|passed|failed" | tail -8
 bench() {  # bench INDEX PASS
   (cd "${dirs[$1]}" && timeout 150 python3 -m megatron_tokenweave.bench gemm_fused "${args[@]}" \
-     --iters 10 --out "$out/ab_${names[$1]//+/_}_$2.json" > /dev/null 2>&1
-   echo "${names[$1]} pass $2 rc=$? at $(( $(date +%s) - t0 )) s")
-  (cd "$out" && tar czf "${OUT:-/tmp}/ab.tgz" ./*.json)
+     --iters 10 --out "$ab_out/ab_${names[$1]//+/_}_$2.json" > /dev/null 2>&1
+   echo "${names[$1]} pass $2 rc=$? at $(( $(date +%s) - ab_t0 )) s")
 }
-for i in "${!dirs[@]}"; do bench "$i" 0; done
-for (( i = ${#dirs[@]} - 1; i >= 0; i-- )); do bench "$i" 1; done
+ab_passes bench ab.tgz

@@ -9,18 +9,12 @@
 #   bash docs/results/fp8_block_pairs/ab.sh VARIANT...
 set -u
 [ $# -ge 1 ] || { echo "usage: ab.sh VARIANT... (a .patch or a folder of headers)"; exit 2; }
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-out=$(mktemp -d)
-t0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader
 source "$(dirname "$0")/../ab_builds.sh"
-ab_builds "$@" || exit 1
+ab_setup "$@" || exit 1
 bench() {  # bench INDEX PASS
   (cd "${dirs[$1]}" && timeout 150 python3 -m megatron_tokenweave.bench fp8_rows --tp 2 4 \
-     --tokens 1024 8192 --hidden 4096 8192 --iters 20 --out "$out/fp8_rows_${names[$1]}_$2.json" \
-     2>&1 | grep -v arn | tail -17)
-  echo "-- ${names[$1]} pass $2 at $(( $(date +%s) - t0 )) s"
+     --tokens 1024 8192 --hidden 4096 8192 --iters 20 \
+     --out "$ab_out/fp8_rows_${names[$1]}_$2.json" 2>&1 | grep -v arn | tail -17)
+  echo "-- ${names[$1]} pass $2 at $(( $(date +%s) - ab_t0 )) s"
 }
-for i in "${!dirs[@]}"; do bench "$i" 0; done
-for (( i = ${#dirs[@]} - 1; i >= 0; i-- )); do bench "$i" 1; done
-tar czf "${OUT:-/tmp}/fp8_rows_ab.tgz" -C "$out" $(cd "$out" && ls fp8_rows_*.json)
+ab_passes bench fp8_rows_ab.tgz
