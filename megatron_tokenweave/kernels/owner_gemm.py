@@ -44,9 +44,9 @@ from megatron_tokenweave.ops.segments import (
     FIT_MIN_ROWS,
     FIT_TOKENS_M_EXTENTS,
     FIT_TOKENS_M_ROWS,
-    FIT_WIDE_MAX_ROWS,
     FP8_BLOCK_K,
     Segments,
+    fit_max_rows,
 )
 from megatron_tokenweave.ops.validate import (
     KERNEL_DTYPES,
@@ -242,8 +242,8 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TokenWeaveInputError("the fitted GEMM's x and weight must start 16-byte aligned")
     t = seg.tiles
     bn = t.block_rows
-    wide = fp8 == "blocks" or (t.cooperative and not t.pair)
-    most = FIT_WIDE_MAX_ROWS if wide else FIT_MAX_ROWS
+    most = fit_max_rows(t.cooperative, fp8 == "blocks", t.pair)
+    wide = most > FIT_MAX_ROWS
     if t.tokens_m:
         if fp8 != "blocks" or t.block_cols not in FIT_TOKENS_M_EXTENTS or bn != (
                 FIT_TOKENS_M_ROWS * (2 if t.cooperative else 1)):

@@ -216,6 +216,13 @@ def fit_tile_rows(extent: int, cooperative: bool, blocks: bool = False) -> int:
     return 2 * rows if cooperative else rows
 
 
+def fit_max_rows(cooperative: bool, blocks: bool = False, pair: bool = False) -> int:
+    """The largest token extent of a fitted tile (fit_gemm.cuh max_bn): FIT_WIDE_MAX_ROWS with
+    64-row consumers, which exist in blocks and in the cooperative mode outside pairs; else
+    FIT_MAX_ROWS."""
+    return FIT_WIDE_MAX_ROWS if blocks or (cooperative and not pair) else FIT_MAX_ROWS
+
+
 def fit_pick(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
               cooperative: bool, max_rows: int = FIT_MAX_ROWS,
               blocks: bool = False) -> tuple[int, int]:
@@ -262,11 +269,12 @@ def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
         raise TokenWeaveInputError(
             f"pairs of CTAs take the fitted kernel's cooperative mode, not in blocks: got "
             f"cooperative={cooperative}, blocks={blocks}, tokens_m={tokens_m}")
-    if not tokens_m and not blocks and extent > FIT_MAX_ROWS and (pair or not cooperative):
+    most = fit_max_rows(cooperative, blocks, pair)
+    if not tokens_m and extent > most:
         raise TokenWeaveInputError(
-            f"the fitted kernel's tiles past {FIT_MAX_ROWS} tokens (64-row consumers) take its "
-            f"cooperative mode outside pairs (or block scales): got extent {extent}, "
-            f"cooperative={cooperative}, pair={pair}")
+            f"the fitted kernel's tiles hold at most {most} tokens here (64-row consumers, past "
+            f"{FIT_MAX_ROWS} tokens, take block scales or the cooperative mode outside pairs): "
+            f"got extent {extent}, cooperative={cooperative}, blocks={blocks}, pair={pair}")
     if tokens_m:
         if not blocks or extent not in FIT_TOKENS_M_EXTENTS:
             raise TokenWeaveInputError(
