@@ -651,6 +651,48 @@ def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden
             FIT_WIDE_MAX_ROWS if t.cooperative else most)
 
 
+def test_split_k_summary_reads_split_beside_the_pick(tmp_path, monkeypatch, capsys):
+    """docs/results/split_k/summary.py: per-model JSONs of bench gemm_fused with split K timed
+    beside the pick become one file (cuBLAS, the pick and split K's rows only) and a plot; it
+    prints each point's ratios and counts the points at or above 0.98x of cuBLAS with the pick
+    and with the faster of the two; points without split K's rows are left out."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "docs" / "results" / "split_k" / "summary.py"
+    spec = importlib.util.spec_from_file_location("split_k_summary", path)
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    # (tokens, pick, split) in us against cuBLAS's 10: the pick at 0.99x, split K at 0.98x
+    # where the pick is 0.90x, and a point timed without split K
+    times = {(777, "fc2"): (11.111, 10.204), (513, "fc2"): (10.1, 10.6),
+             (5003, "o_proj"): (10.0, None)}
+    src = tmp_path / "src"
+    src.mkdir()
+    for model in ("qwen2.5-7b", "llama-3.3-70b"):
+        rows = []
+        for (tokens, gemm), (pick, split) in times.items():
+            for impl, us in (("cublas", 10.0), ("tokenweave", pick), ("tokenweave_split", split),
+                             ("tokenweave_triton", 12.0)):
+                if us is not None:
+                    rows.append(dict(model=model, gemm=gemm, tp=2, tokens=tokens, dtype="bf16",
+                                     impl=impl, us=us, tiles="fit200c", **{"pass": 0}))
+        (src / f"{model}.json").write_text(json.dumps(dict(gpu="H200", date="d", rows=rows)))
+    out = tmp_path / "split_k.json"
+    monkeypatch.setattr(sys, "argv", ["summary.py", str(src), str(out), "cmd"])
+    summary.main()
+    printed = capsys.readouterr().out
+    assert "the pick 2, the faster of the two 4, of 4" in printed
+    assert "pick 0.900  split 0.980  split/pick 1.089" in printed
+    joined = json.loads(out.read_text())
+    assert joined["command"] == "cmd" and len(joined["rows"]) == 2 * 8
+    assert {r["impl"] for r in joined["rows"]} == {"cublas", "tokenweave", "tokenweave_split"}
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_gemm_join_restores_each_rows_gemm_from_its_order(tmp_path, monkeypatch):
     """docs/results/gemm_join.py --gemm-from-order: rows written in bench gemm_fused's order
     (per point o_proj's, then fc2's, each impl once a pass) with a wrong `gemm` field get
