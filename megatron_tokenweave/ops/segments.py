@@ -17,6 +17,7 @@ and the CPU emulation (ops/gemm_emulation.py) all take their geometry from here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from megatron_tokenweave.ops.gemm_rows import whole_boxes
@@ -301,6 +302,10 @@ def wave_efficiency(t: GemmTiles, layout: Layout, world: int, rows: int, hidden:
     return area / estimated_time(t, layout, world, rows, hidden, ctas)
 
 
+# Every woven layer asks for the same shapes each forward (its halves' row GEMMs); the fitted
+# pick's extent searches cost tens of microseconds a call, so a shape's tiles are worked out once
+# (a pure function of its arguments; GemmTiles is frozen).
+@functools.lru_cache(maxsize=4096)
 def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
               ctas: int, fitted: bool = False, fp8: str | None = None,
               long_k: bool = False) -> GemmTiles:

@@ -47,7 +47,7 @@ def pick_efficiency(model: str, gemm: str, tp: int, tokens: int) -> tuple[float,
     t = tiles_for(Layout.REPLICATED, tp, tokens, n, k, CTAS, fitted=True)
     if t.fitted:
         t = fitted_tiles(Layout.REPLICATED, tp, tokens, n, CTAS)
-    return wave_efficiency(t, Layout.REPLICATED, tp, tokens, n, CTAS), -(-k // 64)
+    return wave_efficiency(t, Layout.REPLICATED, tp, tokens, n, CTAS), -(-k // t.block_k)
 
 
 def main() -> None:
@@ -60,10 +60,12 @@ def main() -> None:
         rows += [r for r in d["rows"] if r["impl"] in KEPT]
     got = {k: v for k, v in points(rows).items() if "tokenweave_split" in v}
     by_steps, by_eff, pick_ok, best_ok = defaultdict(list), defaultdict(list), 0, 0
+    fig, ax = plt.subplots(figsize=(7, 4))
     for (m, g, tp, n), us in sorted(got.items()):
         pick, split = us["cublas"] / us["tokenweave"], us["cublas"] / us["tokenweave_split"]
         eff, steps = pick_efficiency(m, g, tp, n)
         gain = us["tokenweave"] / us["tokenweave_split"]
+        ax.scatter(eff, gain, s=10 + steps / 4, c="C0" if g == "fc2" else "C1", alpha=0.6)
         by_steps[min(steps // 32 * 32, 224)].append(gain)
         by_eff[round(min(eff, 0.999) * 20) / 20].append(gain)
         pick_ok += pick >= 0.98
@@ -77,11 +79,6 @@ def main() -> None:
             print(f"  {key}: {statistics.median(v):.3f} ({v[0]:.3f}-{v[-1]:.3f}, {len(v)})")
     print(f"at or above 0.98x of cuBLAS: the pick {pick_ok}, the faster of the two {best_ok}, "
           f"of {len(got)}")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (m, g, tp, n), us in sorted(got.items()):
-        eff, steps = pick_efficiency(m, g, tp, n)
-        ax.scatter(eff, us["tokenweave"] / us["tokenweave_split"], s=10 + steps / 4,
-                   c="C0" if g == "fc2" else "C1", alpha=0.6)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("wave efficiency of the pick's tiles")
     ax.set_ylabel("split K's speed / the pick's")
