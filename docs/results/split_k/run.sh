@@ -1,13 +1,14 @@
 #!/bin/bash
 # Split K on one GPU (split_k.patch: fit_gemm.cuh's Work / split_store / split_add, the op's
-# `split` argument, ops/segments.split_tiles, the inbox's flags and sums, bench gemm_fused's
-# `tokenweave_split` rows, the GPU tests), run from the repo root on the device machine, one
-# call (~8 min on an H200): the patch applied to the copy there, the extension built, the GPU
-# tests of the fitted kernel (split K's, the whole-tile modes', pairs') and of the op's checks,
-# then bench gemm_fused at the counts to 5003 on every dense family's shards, bf16, one process
-# per model, split K timed beside the pick. Results: $OUT/split_k.tgz (the JSONs, the test and
-# bench logs), packed after each step; read them with summary.py.
-#   bash docs/results/split_k/run.sh [MODEL...]
+# `split` argument, ops/segments.split_k_tiles, the inbox's flags and sums, bench gemm_fused's
+# `tokenweave_split_<region>` rows, the GPU tests), run from the repo root on the device
+# machine, one call (~6 min on an H100): the patch applied to the copy there, the extension
+# built, the GPU tests of the fitted kernel (split K's, the whole-tile modes', pairs') and of
+# the op's checks, then bench gemm_fused at the counts to 5003 on every dense family's shards,
+# bf16, one process per model, split K timed beside the pick, until SPLIT_K_SECONDS (585) from
+# the start. Results: $OUT/split_k.tgz (the JSONs, the test and bench logs), packed after each
+# step; read them with summary.py.
+#   [SPLIT_K_SECONDS=S] bash docs/results/split_k/run.sh [MODEL...]
 set -u
 here=$(dirname "$0")
 t0=$(date +%s)
@@ -30,7 +31,7 @@ at "tests rc=$?"; grep -E "cases exact|passed|failed" "$res/tests.log" | tail -6
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(qwen2.5-7b llama-3.3-70b qwen2.5-32b qwen2.5-72b llama-3-8b)
 for m in "${models[@]}"; do
-  left=$(( 585 - ($(date +%s) - t0) )); [ $left -lt 30 ] && break
+  left=$(( ${SPLIT_K_SECONDS:-585} - ($(date +%s) - t0) )); [ $left -lt 30 ] && break
   timeout $left python3 -m megatron_tokenweave.bench gemm_fused --dtypes bf16 --models "$m" \
     --tokens 512 513 641 777 1000 1024 1279 1531 2047 2500 3001 5003 --iters 10 \
     --out "$res/$m.json" > "$res/$m.log" 2>&1
