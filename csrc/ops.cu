@@ -8,11 +8,11 @@
 //                           ctas, path, tag, normed_scales!, scaling)
 //   gemm_reduce_rmsnorm(comm, partial!, residual, weight?, eps, residual_out!, normed_out?!,
 //                       call, normed_scales!, scaling)
-//   fit_gemm(x, weight, bias?, regions, geometry, ctas, scales, out_dtype?): the GEMM-fused
-//       mechanism's row-parallel GEMM with tiles fitted to the call (fit_gemm.cuh), storing into
-//       the inboxes at `regions` (bf16/fp16 operands, or e4m3 ones with their two per-tensor
-//       scales and the rows' dtype); it takes no communicator (a benchmark's loopback inbox has
-//       none).
+//   fit_gemm(x, weight, bias?, regions, geometry, ctas, scales, out_dtype?, split!): the
+//       GEMM-fused mechanism's row-parallel GEMM with tiles fitted to the call (fit_gemm.cuh),
+//       storing into the inboxes at `regions` (bf16/fp16 operands, or e4m3 ones with their two
+//       per-tensor scales and the rows' dtype; split K's flags and sums where it splits); it
+//       takes no communicator (a benchmark's loopback inbox has none).
 // `tag` is the call's tag (signal.cuh: every rank passes the same for the same call; a peer on
 // another call is an error, never a combination of two calls' rows); `call` the GEMM-fused
 // consumer's call as one list: its geometry (SegmentGeometry), its CTA count and its tag
@@ -624,9 +624,13 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // one rank) into every owner's inbox slot. `regions`: each rank's inbox region as this rank maps
 // it (one per rank); `geometry` (ops/segments.Segments.fitted_geometry): [slots_off, rank,
 // slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, cooperative, start,
-// weight_rows] (cooperative: 0 ping-pong, 1 cooperative, 2 cooperative in pairs of CTAs sharing
-// each weight tile's loads, not in blocks; weight_rows: 0, or with the tokens as the MMA's M,
-// e4m3 in blocks, the tiles' weight rows, block_rows then 64 tokens a consumer).
+// weight_rows, split_tiles, split_steps] (cooperative: 0 ping-pong, 1 cooperative, 2
+// cooperative in pairs of CTAs sharing each weight tile's loads, not in blocks; weight_rows: 0,
+// or with the tokens as the MMA's M, e4m3 in blocks, the tiles' weight rows, block_rows then 64
+// tokens a consumer; split_tiles: 0, or split K in the cooperative mode outside pairs and
+// blocks, the K steps of the call's last split_tiles tiles dealt out split_steps a CTA after
+// every CTA's whole tiles, `split` = [flags int32, sums float32]: a flag and a tile's fp32 sums
+// a CTA of those, the flags zero).
 // bf16/fp16 operands: `scales` empty, rows of x's dtype (out_dtype none or that). e4m3 operands
 // (ops/fp8_operands.py): `scales` = [x's, the weight's scale_inv], per tensor one float32 each,
 // in blocks x's [ceil(K / 128), cols] (cols a multiple of 4, at least x's rows) and the
@@ -634,7 +638,8 @@ void gemm_reduce_rmsnorm(int64_t handle, at::Tensor& partial, const at::Tensor& 
 // (and bias's) bf16 or fp16.
 void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               at::IntArrayRef regions, at::IntArrayRef geometry, int64_t ctas,
-              at::TensorList scales, std::optional<at::ScalarType> out_dtype) {
+              at::TensorList scales, std::optional<at::ScalarType> out_dtype,
+              at::TensorList split) {
   TW_CHECK(x.is_cuda() && x.dim() == 2 && weight.dim() == 2 && weight.device() == x.device(),
            "tokenweave: fit_gemm takes 2-D x and weight on one CUDA device");
   const auto in = x.scalar_type();
@@ -705,9 +710,10 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   TW_CHECK(major == 9 && minor == 0, "tokenweave: fit_gemm needs an sm_90 GPU (wgmma, TMA), "
            "this one is sm_", major, minor);
-  TW_CHECK(geometry.size() == 13, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
+  TW_CHECK(geometry.size() == 15, "tokenweave: fit_gemm geometry must be [slots_off, rank, "
            "slot_rows, row0, first, step, groups, group_rows, seg_rows, block_rows, "
-           "cooperative, start, weight_rows], got ", geometry.size(), " entries");
+           "cooperative, start, weight_rows, split_tiles, split_steps], got ", geometry.size(),
+           " entries");
   const int64_t world = static_cast<int64_t>(regions.size());
   TW_CHECK(world >= 1 && world <= kMaxRanks, "tokenweave: fit_gemm takes 1..", kMaxRanks,
            " inbox regions, got ", world);
@@ -715,7 +721,8 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   const int64_t row0 = geometry[3], first = geometry[4], step = geometry[5];
   const int64_t groups = geometry[6], group_rows = geometry[7], seg_rows = geometry[8];
   const int64_t bn = geometry[9], coop = geometry[10], start = geometry[11];
-  const int64_t weight_rows = geometry[12];
+  const int64_t weight_rows = geometry[12], split_tiles = geometry[13];
+  const int64_t split_steps = geometry[14];
   const bool tokens_m = weight_rows != 0;
   TW_CHECK(rank >= 0 && rank < world && slots_off >= 0 && slot_rows > 0,
            "tokenweave: fit_gemm: rank ", rank, " of ", world, ", slots at ", slots_off,
@@ -787,6 +794,35 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   // Units of work: tiles, or in pairs a weight tile with two token tiles.
   p.tiles = p.m_tiles * ((p.groups * p.group_tiles + (pair ? 1 : 0)) / (pair ? 2 : 1));
   p.start = static_cast<int>(start % (p.groups * p.group_tiles));
+  const int stage_k = fit::kRowBytes / static_cast<int>(x.element_size());  // K a step
+  const int64_t k_steps = (k + stage_k - 1) / stage_k;
+  const bool split_ok =
+      split_tiles == 0 || (split_steps >= 1 && split_steps <= split_tiles * k_steps);
+  TW_CHECK(split_tiles >= 0 && split_tiles <= p.tiles && split_ok,
+           "tokenweave: fit_gemm: split K takes 0..", p.tiles, " split tiles and 1..split tiles x ",
+           k_steps, " K steps a CTA, got ", split_tiles, " tiles, ", split_steps, " steps");
+  if (split_tiles > 0) {
+    p.split_tiles = static_cast<int>(split_tiles);
+    p.split_steps = static_cast<int>(split_steps);
+    const int64_t split_grid = fit::split_ctas(p, stage_k);
+    const int64_t sums = split_grid * tile_w * bn;
+    TW_CHECK(coop == 1 && !blocks && !tokens_m,
+             "tokenweave: fit_gemm: split K takes the cooperative mode outside pairs, 16-bit or "
+             "per-tensor e4m3 operands");
+    TW_CHECK(split_grid <= ctas, "tokenweave: fit_gemm: ", split_tiles, " split tiles at ",
+             split_steps, " K steps a CTA take ", split_grid, " CTAs, more than the ", ctas,
+             " given");
+    TW_CHECK(split.size() == 2 && split[0].device() == x.device() &&
+                 split[0].scalar_type() == at::kInt && split[0].is_contiguous() &&
+                 split[0].numel() >= split_grid && split[1].device() == x.device() &&
+                 split[1].scalar_type() == at::kFloat && split[1].is_contiguous() &&
+                 split[1].numel() >= sums,
+             "tokenweave: fit_gemm: split K takes [flags, sums]: contiguous int32 of at least ",
+             split_grid, " and float32 of at least ", sums, " elements on x's device");
+    check_aligned(split[1], "fit_gemm: split sums");
+    p.split_flags = reinterpret_cast<unsigned*>(split[0].data_ptr<int>());
+    p.split_sums = split[1].data_ptr<float>();
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   // The instantiation's BN: the tiles' tokens, or with the tokens as M their weight rows.
   const int b = static_cast<int>(tokens_m ? weight_rows : bn), g = static_cast<int>(ctas);
@@ -855,7 +891,7 @@ TORCH_LIBRARY(tokenweave, m) {
       "Tensor(d!)[] normed_scales, float[] scaling) -> ()");
   m.def(
       "fit_gemm(Tensor x, Tensor weight, Tensor? bias, int[] regions, int[] geometry, int ctas, "
-      "Tensor[] scales, ScalarType? out_dtype) -> ()");
+      "Tensor[] scales, ScalarType? out_dtype, Tensor(a!)[] split) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenweave, CUDA, m) {

@@ -372,7 +372,7 @@ def test_tokens_as_m_tiles(layout):
                        fp8="blocks")
         assert seg.release == "consumer"
         geo = seg.fitted_geometry(256, 2, 4000, world)
-        assert len(geo) == 13 and geo[9:11] == [tokens, int(cooperative)] and geo[12] == extent
+        assert len(geo) == 15 and geo[9:11] == [tokens, int(cooperative)] and geo[12] == extent
         if layout is Layout.SEQUENCE_PARALLEL:  # group 3's first tile
             assert geo[11] == 3 * -(-rows // tokens)
         else:  # the tile holding segment 3's first row

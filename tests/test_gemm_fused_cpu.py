@@ -14,6 +14,7 @@ whole call and for split halves; outputs poisoned first.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -45,6 +46,13 @@ from megatron_tokenweave.ops.segments import (
     PINGPONG_MIN_TILES_SHORT_K,
     RELEASES,
     SMALL,
+    SPLIT_ADD_STEPS,
+    SPLIT_MAX_ROWS,
+    SPLIT_MIN_K_STEPS,
+    SPLIT_MIN_PART,
+    SPLIT_MIN_ROWS,
+    SPLIT_MIN_WAVES,
+    SPLIT_REGIONS,
     TILES,
     WIDE,
     estimated_time,
@@ -56,6 +64,7 @@ from megatron_tokenweave.ops.segments import (
     row_blocks,
     segments,
     slot_rows,
+    split_k_tiles,
     tiles_for,
     wave_efficiency,
 )
@@ -341,18 +350,27 @@ def test_fitted_kernel_of_the_measured_shapes():
 def test_long_k_rule_of_the_device(layout):
     """On a device of FIT_LONG_K_DEVICES (long_k), a 16-bit call over more than FIT_LONG_K
     in-features with at least FIT_LONG_MIN_TILES ping-pong tiles a CTA takes the fitted kernel
-    where its tiles are in ping-pong mode; every other call keeps the pick it has without the
-    rule, and without long_k (or without the fitted kernel, or with e4m3 operands, which have
-    their own long-K rule) nothing changes."""
+    where its tiles are in ping-pong mode, and a 16-bit call of the SPLIT_* rule takes split
+    K's part wave (`split_k_tiles`) before that; every other call keeps the pick it has without
+    the rules, and without long_k (or without the fitted kernel, or with e4m3 operands, which
+    have their own long-K rule) nothing changes."""
     world, hidden, ctas = 2, 8192, 132
-    changed = 0
+    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
+    changed = split_calls = 0
     for k, rows in itertools.product((512, 1024, 1025, 3584, 14336), range(512, 17000, 499)):
         base = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
         got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, long_k=True)
         per_cta = row_blocks(layout, world, rows, 128) * (hidden // 128) / ctas
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         rule = k > FIT_LONG_K and per_cta >= FIT_LONG_MIN_TILES and not fit.cooperative
-        assert got == (fit if rule and not base.fitted else base), (k, rows)
+        split = split_k_tiles(layout, world, rows, hidden, k, ctas)
+        takes_split = (split is not None and SPLIT_MIN_ROWS <= groups * rows <= SPLIT_MAX_ROWS
+                       and -(-k // 64) >= SPLIT_MIN_K_STEPS and split.split_tiles >= SPLIT_MIN_PART
+                       and split.col_tiles(hidden) * groups * -(-rows // split.block_rows)
+                       // ctas >= SPLIT_MIN_WAVES)
+        split_calls += takes_split
+        assert got == (split if takes_split else fit if rule and not base.fitted else base), (
+            k, rows)
         changed += got != base
         assert tiles_for(layout, world, rows, hidden, k, ctas, long_k=True) == tiles_for(
             layout, world, rows, hidden, k, ctas), (k, rows)
@@ -360,10 +378,34 @@ def test_long_k_rule_of_the_device(layout):
             assert tiles_for(layout, world, rows, hidden, k, ctas, fitted=True, fp8=scaling,
                              long_k=True) == tiles_for(layout, world, rows, hidden, k, ctas,
                                                        fitted=True, fp8=scaling), (k, rows)
-    assert changed > 0
+    assert changed > split_calls > 0
     seg = segments(layout, world, 12289, hidden=hidden, k=14336, ctas=ctas, fitted=True,
                    long_k=True)
     assert seg.tiles.fitted and not seg.tiles.cooperative and seg.release == "consumer"
+
+
+def test_split_k_rule_takes_the_points_it_was_measured_faster_at():
+    """The SPLIT_* rule, on a long-K device, over the counts to 5003 of one H100's bf16 sweep
+    (docs/results/gemm_split_k_1gpu.json: every dense family's o_proj and fc2 at TP 2, 4 and
+    8): split K's part wave exactly at the 19 points where it measured faster than the pick
+    (the fc2 shards of Qwen2.5-32B, Llama-3.3-70B and Qwen2.5-72B at TP 2 and 4 at 2500, 3001
+    and 5003 tokens, and Llama-3-8B's at TP 2 at 5003); none on another device."""
+    from megatron_tokenweave.bench.gemm_fused import GEMMS
+    from megatron_tokenweave.bench.split_cost import layer_gemms
+    from megatron_tokenweave.models import SHAPES
+
+    counts = (512, 513, 641, 777, 1000, 1024, 1279, 1531, 2047, 2500, 3001, 5003)
+    taken = set()
+    for model in ("qwen2.5-7b", "llama-3.3-70b", "qwen2.5-32b", "qwen2.5-72b", "llama-3-8b"):
+        for gemm, tp, rows in itertools.product(GEMMS, (2, 4, 8), counts):
+            k, n = layer_gemms(SHAPES[model], tp)[GEMMS[gemm]]
+            if tiles_for(Layout.REPLICATED, tp, rows, n, k, 132, fitted=True,
+                         long_k=True).split_tiles:
+                taken.add((model, gemm, tp, rows))
+            assert not tiles_for(Layout.REPLICATED, tp, rows, n, k, 132, fitted=True).split_tiles
+    expected = {(m, "fc2", tp, rows) for m in ("qwen2.5-32b", "llama-3.3-70b", "qwen2.5-72b")
+                for tp in (2, 4) for rows in (2500, 3001, 5003)}
+    assert taken == expected | {("llama-3-8b", "fc2", 2, 5003)}
 
 
 def test_long_k_devices_by_name():
@@ -393,7 +435,7 @@ def test_fitted_segments_are_released_by_their_consumer(layout):
     sp = layout is Layout.SEQUENCE_PARALLEL
     groups, group_rows = (world, rows) if sp else (1, rows)
     assert geo[:9] == [256, 2, 4000, seg.row0, seg.first, seg.step, groups, group_rows, seg.rows]
-    assert geo[9:11] == [t.block_rows, int(t.cooperative)] and geo[12] == 0 and len(geo) == 13
+    assert geo[9:11] == [t.block_rows, int(t.cooperative)] and geo[12:] == [0, 0, 0]
     if sp:  # group 3's first tile
         assert geo[11] == 3 * -(-rows // t.block_rows)
     else:  # the tile holding segment 3's first row
@@ -654,8 +696,9 @@ def test_gemm_fused_breakdown_forces_fitted_extents_in_both_modes(tokens, hidden
 def test_split_k_summary_reads_split_beside_the_pick(tmp_path, monkeypatch, capsys):
     """docs/results/split_k/summary.py: per-model JSONs of bench gemm_fused with split K timed
     beside the pick become one file (cuBLAS, the pick and split K's rows only) and a plot; it
-    prints each point's ratios and counts the points at or above 0.98x of cuBLAS with the pick
-    and with the faster of the two; points without split K's rows are left out."""
+    prints each point's ratios and the fastest split's speed over its tiles unsplit, and counts
+    the points at or above 0.98x of cuBLAS with the pick and with the fastest of the pick and
+    the split rows; points without split K's rows are left out."""
     pytest.importorskip("matplotlib")
     import importlib.util
     import json
@@ -666,30 +709,34 @@ def test_split_k_summary_reads_split_beside_the_pick(tmp_path, monkeypatch, caps
     spec = importlib.util.spec_from_file_location("split_k_summary", path)
     summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summary)
-    # (tokens, pick, split) in us against cuBLAS's 10: the pick at 0.99x, split K at 0.98x
-    # where the pick is 0.90x, and a point timed without split K
-    times = {(777, "fc2"): (11.111, 10.204), (513, "fc2"): (10.1, 10.6),
-             (5003, "o_proj"): (10.0, None)}
+    # (tokens, gemm) -> us of the pick, split K's tiles unsplit, split in the part wave and in
+    # two waves, against cuBLAS's 10: the pick at 0.99x, split K at 0.98x where the pick is
+    # 0.90x, and a point timed without split K
+    times = {(777, "fc2"): (11.111, 11.0, 10.204, 10.5), (513, "fc2"): (10.1, 10.8, 10.6, None),
+             (5003, "o_proj"): (10.0, None, None, None)}
+    impls = ("tokenweave", "tokenweave_split_none", "tokenweave_split_part",
+             "tokenweave_split_two")
     src = tmp_path / "src"
     src.mkdir()
     for model in ("qwen2.5-7b", "llama-3.3-70b"):
         rows = []
-        for (tokens, gemm), (pick, split) in times.items():
-            for impl, us in (("cublas", 10.0), ("tokenweave", pick), ("tokenweave_split", split),
-                             ("tokenweave_triton", 12.0)):
-                if us is not None:
+        for (tokens, gemm), us in times.items():
+            for impl, t in (("cublas", 10.0), *zip(impls, us, strict=True),
+                            ("tokenweave_triton", 12.0)):
+                if t is not None:
                     rows.append(dict(model=model, gemm=gemm, tp=2, tokens=tokens, dtype="bf16",
-                                     impl=impl, us=us, tiles="fit200c", **{"pass": 0}))
+                                     impl=impl, us=t, tiles="fit200c", **{"pass": 0}))
         (src / f"{model}.json").write_text(json.dumps(dict(gpu="H200", date="d", rows=rows)))
     out = tmp_path / "split_k.json"
     monkeypatch.setattr(sys, "argv", ["summary.py", str(src), str(out), "cmd"])
     summary.main()
     printed = capsys.readouterr().out
-    assert "the pick 2, the faster of the two 4, of 4" in printed
-    assert "pick 0.900  split 0.980  split/pick 1.089" in printed
+    assert "the pick 2, the fastest of the pick and the split rows 4, of 4" in printed
+    assert "pick 0.900  none 0.909  part 0.980  two 0.952  best/none 1.078" in printed
+    assert "fastest region: {'tokenweave_split_part': 4}" in printed
     joined = json.loads(out.read_text())
-    assert joined["command"] == "cmd" and len(joined["rows"]) == 2 * 8
-    assert {r["impl"] for r in joined["rows"]} == {"cublas", "tokenweave", "tokenweave_split"}
+    assert joined["command"] == "cmd" and len(joined["rows"]) == 2 * 11
+    assert {r["impl"] for r in joined["rows"]} == {"cublas", *impls}
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -763,6 +810,49 @@ def test_fit_tiles_take_64_row_consumers_in_the_cooperative_mode_only():
     for bad in (FIT_MAX_ROWS - 8, FIT_WIDE_MAX_ROWS + 8):
         with pytest.raises(TokenWeaveInputError, match="coop_max_rows"):
             fitted_tiles(Layout.REPLICATED, 2, 777, 8192, 132, bad)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_split_k_tiles_split_the_part_wave(layout):
+    """split_k_tiles: cooperative tiles of the extent that covers the rows with the least area
+    (a tile's fixed cost counted), none where every wave is full; the split tiles the part wave
+    ("part", "even") or it and one whole wave ("two", where there is one), their K steps dealt
+    out to at most the CTAs given: "even" and "two" as few steps a CTA as fit, "part" at least
+    that and at least the model's (sqrt(SPLIT_ADD_STEPS x K steps), capped at a tile's);
+    the op's geometry carries the split tiles and steps last. fit_tiles refuses split K outside
+    the cooperative mode, in pairs, in blocks, and with one of the two 0 or negative."""
+    for world, rows, hidden, k, ctas in ((2, 777, 3584, 9472, 132), (8, 513, 8192, 1024, 132),
+                                         (4, 1, 1000, 200, 132), (2, 5003, 8192, 7168, 132),
+                                         (2, 1024, 5120, 13824, 132)):
+        for region in SPLIT_REGIONS:
+            t = split_k_tiles(layout, world, rows, hidden, k, ctas, region=region)
+            base = split_k_tiles(layout, world, rows, hidden, k, 1)  # one CTA: no part wave
+            assert base is None
+            assert t.fitted and t.cooperative and not t.pair
+            seg = segments(layout, world, rows, hidden=hidden, k=k, ctas=ctas, tiles=t)
+            tiles, k_steps = seg.tile_count(world, hidden), -(-k // 64)
+            part = tiles % ctas
+            assert part and t.split_tiles == (part + ctas if region == "two" and tiles > ctas
+                                              else part)
+            fewest = -(-t.split_tiles * k_steps // ctas)
+            model = min(k_steps, math.ceil(math.sqrt(SPLIT_ADD_STEPS * k_steps)))
+            assert t.split_steps == (max(fewest, model) if region == "part" else fewest)
+            assert 1 <= seg.split_ctas(k) <= ctas
+            assert seg.fitted_geometry(256, 0, 6000, world)[13:] == [t.split_tiles,
+                                                                      t.split_steps]
+    # 777 tokens: 4 x 200 (3 % padding) beats 5 x 160 and 7 x 112 in area
+    assert split_k_tiles(Layout.REPLICATED, 2, 777, 3584, 9472, 132).block_rows == 200
+    # 5003 tokens (of each of 2 chunks, sequence parallel) of hidden 8192 in tiles of 168 x
+    # 256: 30 x 32 tiles (60 x 32), 8 (16) whole waves of 120
+    assert split_k_tiles(layout, 2, 5003, 8192, 7168, 120) is None
+    with pytest.raises(TokenWeaveInputError, match="region"):
+        split_k_tiles(Layout.REPLICATED, 2, 777, 3584, 9472, 132, region="all")
+    for kw in (dict(cooperative=False), dict(cooperative=True, pair=True),
+               dict(cooperative=True, blocks=True), dict(cooperative=True, split=(4, 0)),
+               dict(cooperative=True, split=(-1, 4))):
+        args = {"split": (4, 4)} | kw
+        with pytest.raises(TokenWeaveInputError, match="split K"):
+            fit_tiles(96, args.pop("cooperative"), FP8_BLOCK_K, **args)
 
 
 def test_gemm_fused_plot_draws_a_joined_file(tmp_path):

@@ -18,7 +18,9 @@ too (`tokenweave_one_consumer`); in FP8 blocks the fitted kernel in each mode at
 extent to FIT_WIDE_MAX_ROWS as well, where that is not the pick (`tokenweave_fit<tokens>[c]`);
 where the fitted kernel's cooperative mode runs (not in blocks), its tiles of 128-row consumers
 (the narrow ones below where the pick's take 64-row consumers) in pairs of CTAs sharing each
-weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick);
+weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick), and split K
+(`tokenweave_split_<region>`: ops/segments.split_k_tiles, beside its tiles without it,
+`tokenweave_split_none`; never the pick);
 not in blocks, the fitted tiles the pick rule gives with cooperative extents to FIT_MAX_ROWS
 (`tokenweave_narrow`) and to FIT_WIDE_MAX_ROWS (`tokenweave_wide`: 64-row consumers past
 FIT_MAX_ROWS), each where they are not the fitted tiles timed already.
@@ -73,6 +75,7 @@ from megatron_tokenweave.ops.segments import (
     FP8_BLOCK_K,
     ONE_CONSUMER,
     RELEASES,
+    SPLIT_REGIONS,
     TILES,
     fit_pick,
     fit_tiles,
@@ -80,6 +83,7 @@ from megatron_tokenweave.ops.segments import (
     fitted_tiles,
     one_consumer_tiles,
     segments,
+    split_k_tiles,
 )
 from megatron_tokenweave.ops.validate import Layout
 
@@ -217,6 +221,17 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                 pair = replace(coop, pair=True)
                 other[f"tokenweave_{_tiles_name(pair)}"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=pair)
+            # split K in each region, and its tiles without it (never the pick)
+            for region in SPLIT_REGIONS:
+                tiles = split_k_tiles(Layout.REPLICATED, tp, tokens, n, k, sms,
+                                      triton.tiles.block_k, region)
+                if tiles is None:
+                    continue
+                other["tokenweave_split_none"] = segments(
+                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
+                    tiles=replace(tiles, split_tiles=0, split_steps=0))
+                other[f"tokenweave_split_{region}"] = segments(
+                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(
                 Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=replace(

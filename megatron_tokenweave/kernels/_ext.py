@@ -66,7 +66,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("tokenweave::fit_gemm")
-    def _fit_gemm_fake(x, weight, bias, regions, geometry, ctas, scales, out_dtype):
+    def _fit_gemm_fake(x, weight, bias, regions, geometry, ctas, scales, out_dtype, split):
         return None
 
 

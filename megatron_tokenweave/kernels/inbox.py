@@ -9,6 +9,11 @@ Layout of each rank's data region (ops/segments.py names the geometry):
                                                    tag[s][src]: the call tag of src's flags
     slots    T [world][slot_rows][hidden]          slot src: the rows rank src stored here
 
+Beside the regions, on an sm_90 GPU (the fitted kernel's), each set's split-K work (local, never
+mapped): a flag and a tile's fp32 sums per CTA (ops/segments.split_k_tiles, fit_gemm.cuh
+split_store), the flags zero between calls. A set's own, so the woven halves' GEMMs never share
+them.
+
 `GemmInbox.create` maps every rank's region (a collective: `Communicator.prepare_gemm`, which
 every rank's plan reaches in the same forward); memory starts zeroed (epoch 0 = no call yet).
 `GemmInbox.loopback` is the one-GPU benchmark's stand-in: every "rank" a separate local
@@ -27,9 +32,10 @@ from megatron_tokenweave.ops.segments import (
     MIN_BLOCK_COLS,
     MIN_BLOCK_ROWS,
     SETS,
+    SPLIT_SLOT_FLOATS,
     slot_rows,
 )
-from megatron_tokenweave.ops.validate import MAX_RANKS
+from megatron_tokenweave.ops.validate import MAX_RANKS, TokenWeaveInputError
 
 _ALIGN = 256
 
@@ -64,6 +70,7 @@ class GemmInbox:
         self.owner_slots = [r[self.slots_off:nbytes].view(dtype).view(world, rows, hidden)
                             if r is not None else None for r in raw]
         self.slots = self.owner_slots[rank]
+        self._split = _split_work(local.device)
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, max_tokens: int, hidden: int, dtype: torch.dtype,
@@ -103,6 +110,23 @@ class GemmInbox:
             handle, base + self.slots_off, self.slot_rows, self.hidden * self.slots.element_size(),
             base, self.flag_blocks, self.flag_tiles, base + self.control_off, self.bases)
 
+    def split_work(self, set_index: int) -> list[torch.Tensor]:
+        """Set `set_index`'s split-K flags and sums (fit_gemm's `split`)."""
+        if self._split is None:
+            raise TokenWeaveInputError("split K runs in the fitted kernel, on an sm_90 GPU")
+        return self._split[set_index]
+
     def close(self) -> None:
         """Free the regions (a collective for `create`'s)."""
         self._close()
+
+
+def _split_work(device: torch.device) -> list[list[torch.Tensor]] | None:
+    """Each set's split-K work on an sm_90 device (a flag and SPLIT_SLOT_FLOATS sums a CTA, as
+    many CTAs as SMs), else None."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    ctas = torch.cuda.get_device_properties(device).multi_processor_count
+    return [[torch.zeros(ctas, dtype=torch.int32, device=device),
+             torch.empty(ctas * SPLIT_SLOT_FLOATS, dtype=torch.float32, device=device)]
+            for _ in range(SETS)]

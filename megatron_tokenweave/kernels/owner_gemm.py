@@ -175,7 +175,8 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         torch.ops.tokenweave.fit_gemm(
             x, weight, bias, inbox.bases,
             seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas,
-            [] if fp8 is None else [fp8.x_scale_inv, fp8.w_scale_inv], inbox.dtype)
+            [] if fp8 is None else [fp8.x_scale_inv, fp8.w_scale_inv], inbox.dtype,
+            inbox.split_work(set_index) if seg.tiles.split_tiles else [])
         return
     num_m = seg.nonempty_blocks(inbox.world)
     if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
@@ -260,6 +261,13 @@ def check_fitted_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TokenWeaveInputError(
             f"the fitted GEMM's pairs of CTAs take its cooperative mode, 16-bit or per-tensor "
             f"operands and at least 2 CTAs, got tiles {t}, {fp8 or out_dtype}, {ctas} CTAs")
+    if t.split_tiles and (not t.cooperative or t.pair or t.tokens_m or fp8 == "blocks"
+                          or t.split_tiles > seg.tile_count(world, n)
+                          or seg.split_ctas(k) > ctas):
+        raise TokenWeaveInputError(
+            f"the fitted GEMM's split K takes its cooperative mode outside pairs, 16-bit or "
+            f"per-tensor operands, no more tiles than the call's and no more CTAs than given "
+            f"({ctas}), got tiles {t}, {fp8 or out_dtype}")
     last = seg.input_rows(world)
     if last > x.shape[0] or seg.row0 + seg.rows > slot_rows:
         raise TokenWeaveInputError(

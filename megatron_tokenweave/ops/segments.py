@@ -18,6 +18,7 @@ and the CPU emulation (ops/gemm_emulation.py) all take their geometry from here.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from megatron_tokenweave.ops.gemm_rows import whole_boxes
@@ -52,6 +53,10 @@ class GemmTiles:
     cooperative: bool = False  # fitted: both consumers on one tile (`fit_tile_rows`)
     tokens_m: bool = False  # fitted, e4m3 in blocks: the tokens as the MMA's M (`fit_tiles`)
     pair: bool = False  # fitted, cooperative, not in blocks: clusters of two CTAs (`fit_tiles`)
+    # fitted, cooperative, not in pairs or blocks: split K of the last split_tiles tiles of a
+    # call, split_steps of their K steps a CTA (`split_k_tiles`)
+    split_tiles: int = 0
+    split_steps: int = 0
 
     def col_tiles(self, hidden: int) -> int:
         return -(-hidden // self.block_cols)
@@ -185,6 +190,18 @@ FP8_PARTIAL_BOX_MIN_K = 4096
 FIT_LONG_K_DEVICES = ("H100",)
 FIT_LONG_K = 1024
 FIT_LONG_MIN_TILES = 8
+# Split K (`split_k_tiles`, its part wave) before the other rules on those devices: 16-bit
+# calls of SPLIT_MIN_ROWS..SPLIT_MAX_ROWS rows over at least SPLIT_MIN_K_STEPS K steps whose
+# split tiles fill at least SPLIT_MIN_WAVES whole waves and leave at least SPLIT_MIN_PART tiles
+# in the part wave. One H100's bf16 sweep (docs/results/gemm_split_k_1gpu.json, counts 512-5003,
+# every dense family): faster than the pick at all 19 points it takes (1.004-1.13x,
+# the fc2 shards of 32B / 70B / 72B at TP 2 and 4 and Llama-3-8B's at TP 2 at 2500-5003
+# tokens), while at 1000-2047 tokens, with one whole wave, or with a part wave of 24 tiles or
+# fewer, split K was as often slower (0.85-1.05x); past 5003 rows it is not measured.
+SPLIT_MIN_ROWS, SPLIT_MAX_ROWS = 2500, 5003
+SPLIT_MIN_K_STEPS = 100
+SPLIT_MIN_WAVES = 2
+SPLIT_MIN_PART = 32
 
 
 def fits_long_k(device_name: str) -> bool:
@@ -258,18 +275,28 @@ def fitted_tiles(layout: Layout, world: int, rows: int, hidden: int, ctas: int,
 
 
 def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
-              blocks: bool = False, tokens_m: bool = False, pair: bool = False) -> GemmTiles:
+              blocks: bool = False, tokens_m: bool = False, pair: bool = False,
+              split: tuple[int, int] = (0, 0)) -> GemmTiles:
     """The fitted kernel's tiles of a token extent in one mode (block_k: FP8_BLOCK_K for e4m3
     operands; blocks: scaled in blocks, `fit_tile_rows`). tokens_m (e4m3 in blocks): the
     tokens as the MMA's M, `extent` the tiles' weight rows (FIT_TOKENS_M_EXTENTS), their
     tokens FIT_TOKENS_M_ROWS a consumer; a tiles object the kernel takes, never the pick.
     pair (the cooperative mode, 16-bit or e4m3 per tensor): clusters of two CTAs, each a token
     tile of one weight tile whose loads they share (TMA multicast: a third fewer bytes from L2
-    a CTA; docs/kernel.md "One tile a CTA under Nsight Compute"); never the pick."""
+    a CTA; docs/kernel.md "One tile a CTA under Nsight Compute"); never the pick.
+    split (the cooperative mode, 16-bit or e4m3 per tensor, not in pairs): split K, (tiles,
+    steps): the K steps of a call's last `tiles` tiles dealt out `steps` a CTA
+    (`split_k_tiles`)."""
     if pair and (not cooperative or blocks or tokens_m):
         raise TokenWeaveInputError(
             f"pairs of CTAs take the fitted kernel's cooperative mode, not in blocks: got "
             f"cooperative={cooperative}, blocks={blocks}, tokens_m={tokens_m}")
+    if min(split) < 0 or (split[0] > 0) != (split[1] > 0) or (
+            split[0] and (not cooperative or blocks or tokens_m or pair)):
+        raise TokenWeaveInputError(
+            f"split K takes (tiles, steps) both positive or both 0, and the fitted kernel's "
+            f"cooperative mode outside pairs and blocks: got split={split}, "
+            f"cooperative={cooperative}, blocks={blocks}, tokens_m={tokens_m}, pair={pair}")
     most = fit_max_rows(cooperative, blocks, pair)
     if not tokens_m and extent > most:
         raise TokenWeaveInputError(
@@ -286,7 +313,52 @@ def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
                          fitted=True, cooperative=cooperative, tokens_m=True)
     return GemmTiles(block_rows=extent, block_cols=fit_tile_rows(extent, cooperative, blocks),
                      block_k=block_k, stages=0, warps=4, consumers=2, fitted=True,
-                     cooperative=cooperative, pair=pair)
+                     cooperative=cooperative, pair=pair, split_tiles=split[0],
+                     split_steps=split[1])
+
+
+# Split K's sums: a tile's fp32 sums a CTA (fit_gemm.cuh split_store), at most this many floats
+# (the cooperative tiles' largest weight rows x tokens).
+SPLIT_SLOT_FLOATS = max(fit_tile_rows(e, True) * e
+                        for e in range(FIT_MIN_ROWS, FIT_WIDE_MAX_ROWS + 1, 8))
+
+
+# Split K's cost of adding one CTA's sums of a tile, in K steps of the tile (a model's constant:
+# `split_k_tiles`).
+SPLIT_ADD_STEPS = 3
+SPLIT_REGIONS = ("part", "even", "two")
+
+
+def split_k_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
+                  block_k: int = 64, region: str = "part") -> GemmTiles | None:
+    """Split K's tiles of a call (`segments`'s arguments; block_k: FP8_BLOCK_K for e4m3
+    operands), None where every wave of tiles is full: the cooperative extent to
+    FIT_WIDE_MAX_ROWS whose tiles cover the call's rows with the least area (each tile +
+    FIT_TILE_COST tokens, as `fit_pick` weighs them), the whole waves of tiles as without split
+    K, the K steps of the rest dealt out to the CTAs (fit_gemm.cuh Work). region "part": the
+    part wave, as many steps a CTA as a model finds fastest (its time plus SPLIT_ADD_STEPS for
+    each other CTA's sums of its tiles, at least what spreads them over every CTA); "even": the
+    part wave spread over every CTA; "two": the part wave and one whole wave (where there is
+    one) spread over every CTA."""
+    if region not in SPLIT_REGIONS:
+        raise TokenWeaveInputError(f"region must be one of {SPLIT_REGIONS}, got {region!r}")
+    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
+
+    def tiles(extent: int) -> int:
+        m_tiles = -(-hidden // fit_tile_rows(extent, True))
+        return m_tiles * groups * -(-max(1, rows) // extent)
+
+    extent = min(range(FIT_MIN_ROWS, FIT_WIDE_MAX_ROWS + 1, 8),
+                 key=lambda e: (tiles(e) * fit_tile_rows(e, True) * (e + FIT_TILE_COST), -e))
+    count, k_steps = tiles(extent), -(-k // block_k)
+    part = count % max(1, ctas)
+    if part == 0:
+        return None
+    split = part + ctas if region == "two" and count > ctas else part
+    steps = -(-split * k_steps // ctas)
+    if region == "part":
+        steps = max(steps, min(k_steps, math.ceil(math.sqrt(SPLIT_ADD_STEPS * k_steps))))
+    return fit_tiles(extent, True, block_k, split=(split, steps))
 
 
 def _call_rows(layout: Layout, world: int, rows: int) -> int:
@@ -326,7 +398,8 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     call); in blocks `blocks_tiles`; with FP8_BLOCK_K-deep K blocks. long_k: the device is
     one of FIT_LONG_K_DEVICES (`fits_long_k`): 16-bit calls over more than FIT_LONG_K
     in-features with at least FIT_LONG_MIN_TILES ping-pong tiles a CTA take the fitted kernel
-    where its tiles take its ping-pong mode."""
+    where its tiles take its ping-pong mode; and on those devices split K's part wave takes
+    the 16-bit calls of the SPLIT_* rule (`_split_k_call`) before any other rule."""
     if fp8 is not None and fp8 not in FP8_SCALINGS:
         raise TokenWeaveInputError(f"fp8 must be one of {FP8_SCALINGS}, got {fp8!r}")
     if fp8 == "blocks":
@@ -335,7 +408,10 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     # The fitted tiles are worked out only where they may be taken (a per-call host cost).
     may_fit = fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
     below = FIT_BELOW if k >= FIT_SHORT_K else FIT_BELOW_SHORT_K
-    if may_fit and wave_efficiency(picked, layout, world, rows, hidden, ctas) < below:
+    split = _split_k_call(layout, world, rows, hidden, k, ctas, fp8) if may_fit and long_k else None
+    if split is not None:
+        picked = split
+    elif may_fit and wave_efficiency(picked, layout, world, rows, hidden, ctas) < below:
         picked = fitted_tiles(layout, world, rows, hidden, ctas)
     elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
         picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
@@ -398,6 +474,21 @@ def _long_k_call(layout: Layout, world: int, rows: int, hidden: int, k: int, cta
                                                                    ctas) >= FIT_LONG_MIN_TILES)
 
 
+def _split_k_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
+                  fp8: str | None) -> GemmTiles | None:
+    """Split K's tiles where a call on a long-K device takes them (`tiles_for`; the SPLIT_*
+    rule above), else None."""
+    call = _call_rows(layout, world, rows)
+    if fp8 is not None or not SPLIT_MIN_ROWS <= call <= SPLIT_MAX_ROWS:
+        return None
+    t = split_k_tiles(layout, world, rows, hidden, k, ctas)
+    if t is None or -(-k // t.block_k) < SPLIT_MIN_K_STEPS or t.split_tiles < SPLIT_MIN_PART:
+        return None
+    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
+    tiles = -(-hidden // t.block_cols) * groups * -(-max(1, rows) // t.block_rows)
+    return t if tiles // max(1, ctas) >= SPLIT_MIN_WAVES else None
+
+
 def _pingpong_tiles_per_cta(layout: Layout, world: int, rows: int, hidden: int,
                             ctas: int) -> float:
     """The ping-pong kernel's 128 x 128 tiles of a call per CTA."""
@@ -451,7 +542,8 @@ class Segments:
         go in the owners' inboxes, the token groups (sequence parallel: a segment each;
         replicated: all rows, owner = row / rows), the tiles, the first token tile, the
         one holding segment rank + 1's first row (each rank stores to a different owner
-        first), and with the tokens as M the tiles' weight rows (else 0)."""
+        first), with the tokens as M the tiles' weight rows (else 0), and split K's tiles and
+        their K steps a CTA (else 0 and 0)."""
         t = self.tiles
         groups, group_rows = (world, self.rows) if self.sequence_parallel else (1, self.total)
         group_tiles = -(-group_rows // t.block_rows)
@@ -459,7 +551,19 @@ class Segments:
         start = nxt * group_tiles if self.sequence_parallel else nxt * self.rows // t.block_rows
         return [slots_off, rank, slot_rows, self.row0, self.first, self.step, groups, group_rows,
                 self.rows, t.block_rows, 2 if t.pair else int(t.cooperative), start,
-                t.block_cols if t.tokens_m else 0]
+                t.block_cols if t.tokens_m else 0, t.split_tiles, t.split_steps]
+
+    def tile_count(self, world: int, hidden: int) -> int:
+        """The fitted kernel's tiles of the call (fit_gemm's p.tiles, outside pairs)."""
+        t = self.tiles
+        groups, group_rows = (world, self.rows) if self.sequence_parallel else (1, self.total)
+        return -(-hidden // t.block_cols) * groups * -(-group_rows // t.block_rows)
+
+    def split_ctas(self, k: int) -> int:
+        """The CTAs split K's tiles take (fit_gemm_host.cuh split_ctas; `split_k_tiles`): the
+        split tiles' K steps, tiles.split_steps a CTA (0 without split K)."""
+        t = self.tiles
+        return -(-t.split_tiles * -(-k // t.block_k) // t.split_steps) if t.split_tiles else 0
 
     def input_rows(self, world: int) -> int:
         """Rows of x the call reads: up to the last segment's last row."""

@@ -397,16 +397,17 @@ def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative, dtype,
-                 bias_on, seed, pads=(0, 0), pair=False, ctas=132) -> str | None:
+                 bias_on, seed, pads=(0, 0), pair=False, ctas=132,
+                 split=(0, 0)) -> str | None:
     """One call of the fitted kernel into a loopback inbox of `world` owners, as rank `rank`
     (pads: elements past K in each row of x and of the weight; pair: the cooperative mode in
-    clusters of two CTAs; ctas: the persistent CTAs): None if every owner's slot holds exactly
-    its rows, else what is wrong."""
+    clusters of two CTAs; ctas: the persistent CTAs; split: split K's (tiles, K steps a CTA)):
+    None if every owner's slot holds exactly its rows, else what is wrong."""
     from megatron_tokenweave.ops.segments import fit_tiles, segments
     from megatron_tokenweave.ops.validate import Layout
 
     dev = torch.device("cuda", 0)
-    tiles = fit_tiles(block_rows, cooperative, pair=pair)
+    tiles = fit_tiles(block_rows, cooperative, pair=pair, split=split)
     sp = layout is Layout.SEQUENCE_PARALLEL
     stride = rows + 5  # chunks of x apart by more than their rows (sequence parallel)
     seg = segments(layout, world, rows, hidden=n, k=k, ctas=132, tiles=tiles, first=3,
@@ -419,7 +420,8 @@ def _fitted_case(inbox, layout, world, rank, rows, k, n, block_rows, cooperative
         slots.fill_(float("nan"))
     torch.ops.tokenweave.fit_gemm(x, w, bias, inbox.bases,
                                   seg.fitted_geometry(inbox.slots_off, rank, inbox.slot_rows,
-                                                      world), ctas, [], None)
+                                                      world), ctas, [], None,
+                                  inbox.split_work(0) if split[0] else [])
     torch.cuda.synchronize()
     ref = x.float() @ w.float().t()
     if bias is not None:
@@ -491,6 +493,76 @@ def test_fitted_gemm_matches_reference():
                         failures.append((dtype, n, k, layout.value, world, rows, block_rows,
                                          cooperative, bad))
     print(f"fitted GEMM: {cases - len(failures)} of {cases} cases exact")
+    assert not failures, failures[:10]
+
+
+def _split_cases(seg, world: int, n: int, k: int) -> list[tuple[tuple[int, int], int]]:
+    """((split tiles, K steps a CTA), CTAs) the split-K test forces for a call: every tile split
+    over every SM; over 5 CTAs, each with whole tiles first (the call's part wave and one whole
+    wave split); a few tiles split over every SM beside whole ones; and one K step a CTA where
+    a tile's steps fit the SMs (a tile's steps in as many CTAs, most of them neither its first
+    nor its last)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles, k_steps = seg.tile_count(world, n), -(-k // seg.tiles.block_k)
+
+    def case(split: int, ctas: int, steps: int = 0) -> tuple[tuple[int, int], int]:
+        return (split, steps or -(-split * k_steps // ctas)), ctas
+
+    cases = {case(tiles, sms), case(min(tiles, tiles % 5 + 5), 5), case(min(tiles, 3), sms)}
+    if sms // k_steps >= 1:
+        cases.add(case(min(tiles, sms // k_steps), sms, 1))
+    return sorted(cases)
+
+
+def test_fitted_gemm_split_k_matches_reference():
+    """Split K (ops/segments.split_k_tiles: a call's whole tiles first, then the K steps of its
+    last tiles dealt out to the CTAs, a tile's sums from the CTAs before the one holding its
+    last step added there) lands the rows test_fitted_gemm_matches_reference asks for, within
+    its bounds, bf16 and fp16, both layouts, tiles of 128- and 64-row consumers, weight tiles
+    past N, K with a tail, every tile split or some, a tile's steps over one CTA or many; each
+    case twice on new inputs (a flag left up would hand the second call the first call's
+    sums), its flags all down after; and e4m3 per tensor within the FP8 test's bounds."""
+    _skip_without_fitted()
+    from megatron_tokenweave.ops.segments import FP8_BLOCK_K, fit_tiles, segments
+
+    dev = torch.device("cuda", 0)
+    failures, cases, seed = [], 0, 9000
+    for dtype in (torch.bfloat16, torch.float16):
+        for (n, k) in ((3584, 2368), (1000, 200)):
+            for layout, world, inbox, rows in _loopback_calls(n, dtype, dev):
+                for block_rows in (72, 176, 200):
+                    seg = segments(layout, world, rows, hidden=n, k=k, ctas=132,
+                                   tiles=fit_tiles(block_rows, True))
+                    for split, ctas in _split_cases(seg, world, n, k):
+                        for again in range(2):
+                            seed += 1
+                            bad = _fitted_case(inbox, layout, world, seed % world, rows, k, n,
+                                               block_rows, True, dtype, seed % 2 == 0, seed,
+                                               ctas=ctas, split=split)
+                            flags = inbox.split_work(0)[0]
+                            if not bad and flags.any():
+                                bad = f"{int(flags.count_nonzero())} flags left up"
+                            cases += 1
+                            if bad:
+                                failures.append((dtype, n, k, layout.value, world, rows,
+                                                 block_rows, split, ctas, again, bad))
+    for layout, world, inbox, rows in _loopback_calls(1024, torch.bfloat16, dev):
+        for block_rows in (72, 200):
+            seg = segments(layout, world, rows, hidden=1024, k=3584, ctas=132,
+                           tiles=fit_tiles(block_rows, True, FP8_BLOCK_K))
+            for split, ctas in _split_cases(seg, world, 1024, 3584):
+                seed += 1
+                bad, _ = _fp8_case(inbox, layout, world, 0, rows, 3584, 1024, False,
+                                   seed % 2 == 0, seed,
+                                   fit_tiles(block_rows, True, FP8_BLOCK_K, split=split),
+                                   ctas=ctas)
+                if not bad and inbox.split_work(0)[0].any():
+                    bad = "flags left up"
+                cases += 1
+                if bad:
+                    failures.append(("e4m3", layout.value, world, rows, block_rows, split, ctas,
+                                     bad))
+    print(f"fitted GEMM, split K: {cases - len(failures)} of {cases} cases exact")
     assert not failures, failures[:10]
 
 

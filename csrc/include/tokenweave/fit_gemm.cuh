@@ -50,8 +50,20 @@
 // Where the count of token tiles is odd, a pair's second tile is none: that CTA computes an
 // existing token tile again (the weight's loads are shared) and stores nothing.
 //
+// Split K (p.split_tiles > 0; the cooperative mode outside pairs, 16-bit or e4m3 per tensor):
+// the call's whole waves of tiles as without it, then the K steps of its last p.split_tiles
+// tiles (the part wave, or it and one whole wave) laid end to end and dealt out evenly,
+// p.split_steps a CTA (Work), so the part wave keeps every SM busy for a shorter time: at 777
+// tokens of a hidden-3584 shard 112 tiles of 128 x 200 leave 20 of 132 SMs idle through the
+// whole K loop. A split tile whose steps span CTAs is finished by the one holding its last
+// step: the others store their fp32 sums (split_store: a slot and a flag a CTA), it adds them
+// (split_add) and runs the epilogue. The whole tiles come first, so that the CTAs run them in
+// step, as without split K: tiles that share weight rows then read them from L2, not DRAM.
+// Dealing every tile's steps out instead (each CTA a contiguous share of all) ran at 0.70x of
+// the whole-tile kernel's speed at the median (one H100, 2026-12-07; docs/kernel.md "Split K").
+//
 // Structure (one CTA per SM, persistent, 384 threads):
-// - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's tiles in order
+// - warpgroup 0, the producer: one thread copies each (tile, K step) of the CTA's units in order
 //   with TMA into a ring of kStages slots (the weight's box of 128 or 256 rows and the tokens'
 //   BN rows, or with kTokensM the tokens' 64 or 128 and the weight's BN, 128 bytes of K each,
 //   128-byte-swizzled K-major rows), each slot with a `full` barrier
@@ -87,6 +99,7 @@
 
 #include "tokenweave/common.cuh"
 #include "tokenweave/hopper.cuh"
+#include "tokenweave/signal.cuh"
 
 namespace tokenweave {
 namespace fit {
@@ -128,6 +141,14 @@ struct FitGemmParams {
   int m_tiles;                 // weight tiles: ceil(n_out / a tile's weight rows)
   int tiles;                   // m_tiles * groups * group_tiles
   int start;                   // the first token tile (rotation)
+  // Split K (the cooperative mode, 16-bit and per tensor): the last split_tiles tiles (0: none)
+  // with their K steps laid end to end and dealt out split_steps a CTA; a tile's sums from CTAs
+  // before the one holding its last K step come through split_sums (kTileM x BN fp32 a CTA, by
+  // blockIdx), each with its flag in split_flags (zero between calls).
+  int split_tiles;
+  int split_steps;
+  float* split_sums;
+  unsigned* split_flags;
 };
 
 // Weight rows per consumer: two m64 halves (BN accumulators a thread), or one past kMaxBN
@@ -220,12 +241,11 @@ struct Operand {
                 "operands: bf16, fp16 or e4m3");
 };
 
-// (weight tile, token tile) of this CTA's i-th unit of work (units: p.tiles, kCtas token tiles
-// of one weight tile each, the cluster's CTAs one token tile each, rank blockIdx.x % kCtas).
-// False where the unit has no such token tile (pairs over an odd count of token tiles).
+// (weight tile, token tile) of unit of work `unit` (units: p.tiles, kCtas token tiles of one
+// weight tile each, the cluster's CTAs one token tile each, rank blockIdx.x % kCtas). False
+// where the unit has no such token tile (pairs over an odd count of token tiles).
 template <int kCtas>
-__device__ __forceinline__ bool tile_coords(const FitGemmParams& p, int i, int& mt, int& nt) {
-  const int unit = blockIdx.x / kCtas + i * (gridDim.x / kCtas);
+__device__ __forceinline__ bool tile_coords(const FitGemmParams& p, int unit, int& mt, int& nt) {
   const int n_tiles = p.groups * p.group_tiles;
   const int per_group = kGroupM * ((n_tiles + kCtas - 1) / kCtas);
   const int first_m = (unit / per_group) * kGroupM;
@@ -236,6 +256,65 @@ __device__ __forceinline__ bool tile_coords(const FitGemmParams& p, int i, int& 
   nt = (j + p.start) % n_tiles;
   return kCtas == 1 || j < n_tiles;
 }
+
+// A CTA's units of work, each a tile's K steps [kb, ke) of k_steps: its whole tiles, first +
+// i * stride of the tiles before the split ones (all of them without split K); then with split
+// K (kSplit, p.split_tiles > 0) its share [s, e) of the split tiles' K steps laid end to end, a
+// unit per split tile it touches, taken from the last backwards. Why backwards: a split tile's
+// K steps run in consecutive CTAs, and the one holding its last step adds the others' sums; its
+// part lies at the start of its share, which it takes last, theirs at the end of theirs, which
+// they take first, so it rarely waits. The members are worked out from p (kernel parameters)
+// when asked, so that no registers hold them through the main loops.
+template <int kCtas, bool kSplit>
+struct Work {
+  const FitGemmParams& p;
+  int k_steps;
+
+  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x) / kCtas; }
+  __device__ __forceinline__ int stride() const { return static_cast<int>(gridDim.x) / kCtas; }
+  __device__ __forceinline__ int split_tiles() const { return kSplit ? p.split_tiles : 0; }
+  // Tiles taken whole, and this CTA's count of them.
+  __device__ __forceinline__ int whole() const { return p.tiles - split_tiles(); }
+  __device__ __forceinline__ int whole_count() const {
+    return first() < whole() ? (whole() - 1 - first()) / stride() + 1 : 0;
+  }
+  // The CTA's share [s(), e()) of the split tiles' K steps, and its count of units there.
+  __device__ __forceinline__ int s() const { return first() * p.split_steps; }
+  __device__ __forceinline__ int e() const {
+    return min(s() + p.split_steps, split_tiles() * k_steps);
+  }
+  __device__ __forceinline__ int split_count() const {
+    return split_tiles() > 0 && s() < e() ? (e() - 1) / k_steps - s() / k_steps + 1 : 0;
+  }
+  __device__ __forceinline__ int count() const { return whole_count() + split_count(); }
+  // Unit u: its unit index (tile_coords) and K steps [kb, ke).
+  __device__ __forceinline__ int at(int u, int& kb, int& ke) const {
+    if (!kSplit || u < whole_count()) {
+      kb = 0;
+      ke = k_steps;
+      return first() + u * stride();
+    }
+    const int tile = (e() - 1) / k_steps - (u - whole_count());
+    kb = max(s() - tile * k_steps, 0);
+    ke = min(e() - tile * k_steps, k_steps);
+    return whole() + tile;
+  }
+  // The CTA holding split unit `unit`'s first K step.
+  __device__ __forceinline__ int first_cta(int unit) const {
+    return (unit - whole()) * k_steps / p.split_steps;
+  }
+  // The ring's sequence number of unit u's first K step (the K steps of units 0 .. u - 1).
+  __device__ __forceinline__ int seq0(int u) const {
+    const int v = kSplit ? u - whole_count() : 0;
+    if (v <= 0) return u * k_steps;
+    return whole_count() * k_steps + e() -
+           max(s(), min(e(), ((e() - 1) / k_steps - v + 1) * k_steps));
+  }
+  // K steps of all units.
+  __device__ __forceinline__ int steps() const {
+    return whole_count() * k_steps + (split_count() > 0 ? e() - s() : 0);
+  }
+};
 
 // A consumer warp's release of a slot (lane 0): in pairs on both CTAs' barriers, as the other
 // CTA's copies fill this CTA's slot too.
@@ -400,6 +479,74 @@ __device__ __forceinline__ void epilogue(const FitGemmParams& p,
       }
     }
   }
+}
+
+constexpr int kSplitBar = 5;  // named barrier of both consumers (256 threads)
+// A split tile's wait for another CTA's sums gives up (a trap: the launch fails loudly) after
+// this long; that CTA runs its whole tiles and at most its share of split steps first.
+constexpr uint64_t kSplitWaitNs = 5'000'000'000ull;
+
+// Split K: CTA cta's sums slot as this consumer thread sees it, 16 bytes a thread of each
+// of its kSubs x BN / 8 vectors (a warp's stores: 512 contiguous bytes).
+template <typename S>
+__device__ __forceinline__ float4* split_slot(const FitGemmParams& p, int cta, int consumer) {
+  constexpr int kVecs = S::kSubs * S::kN / 8;
+  return reinterpret_cast<float4*>(p.split_sums + static_cast<int64_t>(cta) * S::kTileM * S::kN) +
+         (consumer * kVecs) * 128 + (threadIdx.x & 127);
+}
+
+// Split K, a CTA whose part of a split tile ends before the tile's last K step: its sums into
+// its slot (L2), then its flag raised once both consumers' stores are done.
+template <typename S>
+__device__ __forceinline__ void split_store(const FitGemmParams& p,
+                                            const float (&acc)[S::kSubs][S::kN / 2],
+                                            int consumer) {
+  float4* dst = split_slot<S>(p, blockIdx.x, consumer);
+#pragma unroll
+  for (int sub = 0; sub < S::kSubs; ++sub)
+#pragma unroll
+    for (int v = 0; v < S::kN / 8; ++v)
+      __stcg(dst + (sub * (S::kN / 8) + v) * 128,
+             make_float4(acc[sub][4 * v], acc[sub][4 * v + 1], acc[sub][4 * v + 2],
+                         acc[sub][4 * v + 3]));
+  hopper::bar_sync(kSplitBar, 256);
+  if (threadIdx.x == 128) {
+    __threadfence();
+    st_release_sys(p.split_flags + blockIdx.x, 1u);
+  }
+}
+
+// Split K, the CTA holding a split tile's last K step: the sums of CTAs from .. blockIdx.x - 1
+// (the tile's other parts) added into acc, each once its flag is up (those CTAs took their part
+// first), then the flags lowered for the next call.
+template <typename S>
+__device__ __forceinline__ void split_add(const FitGemmParams& p,
+                                          float (&acc)[S::kSubs][S::kN / 2], int consumer,
+                                          int from) {
+  for (int cta = static_cast<int>(blockIdx.x) - 1; cta >= from; --cta) {
+    if (threadIdx.x == 128 && ld_acquire_sys(p.split_flags + cta) == 0) {
+      const uint64_t t0 = global_timer_ns();
+      while (ld_acquire_sys(p.split_flags + cta) == 0) {
+        __nanosleep(64);
+        if (global_timer_ns() - t0 > kSplitWaitNs) __trap();
+      }
+    }
+    hopper::bar_sync(kSplitBar, 256);
+    const float4* src = split_slot<S>(p, cta, consumer);
+#pragma unroll
+    for (int sub = 0; sub < S::kSubs; ++sub)
+#pragma unroll
+      for (int v = 0; v < S::kN / 8; ++v) {
+        const float4 q = __ldcg(src + (sub * (S::kN / 8) + v) * 128);
+        acc[sub][4 * v] += q.x;
+        acc[sub][4 * v + 1] += q.y;
+        acc[sub][4 * v + 2] += q.z;
+        acc[sub][4 * v + 3] += q.w;
+      }
+  }
+  hopper::bar_sync(kSplitBar, 256);  // every thread's loads done before the flags are lowered
+  if (threadIdx.x == 128)
+    for (int cta = from; cta < static_cast<int>(blockIdx.x); ++cta) p.split_flags[cta] = 0;
 }
 
 // The scales of a main loop's K blocks: load(kt) issues a K block's loads (before the wait for
@@ -609,10 +756,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = threadIdx.x / 128;
   const int k_steps = (p.k + Op::kStageK - 1) / Op::kStageK;
-  // This CTA's units of work (tile_coords): its cluster's, clusters of S::kCtas CTAs.
-  const unsigned unit0 = blockIdx.x / S::kCtas;
-  const int local_tiles =
-      unit0 < p.tiles ? (p.tiles - 1 - static_cast<int>(unit0)) / (gridDim.x / S::kCtas) + 1 : 0;
+  // Split K: the cooperative mode, 16-bit or per tensor, one CTA a unit (ops.cu checks).
+  constexpr bool kSplit = kCoop && !kBlocks && !kPair;
+  // This CTA's units of work: its cluster's, clusters of S::kCtas CTAs.
+  const Work<S::kCtas, kSplit> work{p, k_steps};
   if (threadIdx.x == 0) {
     if (smem_addr(smem) & 1023) __trap();  // the swizzled stages would read the wrong bytes
     // Pairs: the copies and releases address the other CTA by blockIdx.x's parity (a launch
@@ -639,17 +786,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_map(&w_map);
       prefetch_map(&x_map);
       if constexpr (S::kScaleStage) prefetch_map(&s_map);
-      for (int i = 0; i < local_tiles; ++i) {
-        int mt, nt;
-        tile_coords<S::kCtas>(p, i, mt, nt);
+      for (int u = 0, seq = 0; u < work.count(); ++u) {
+        int kb, ke, mt, nt;
+        tile_coords<S::kCtas>(p, work.at(u, kb, ke), mt, nt);
         const int x_row = tile_x_row(p, nt, S::kTileTokens);
         const int w_row = mt * S::kTileWeights;
         // A (the MMA's M operand) and B: the weight's rows and the tokens, or the other way.
         const CUtensorMap* a_map = kTokensM ? &x_map : &w_map;
         const CUtensorMap* b_map = kTokensM ? &w_map : &x_map;
         const int a_row = kTokensM ? x_row : w_row, b_row = kTokensM ? w_row : x_row;
-        for (int kt = 0; kt < k_steps; ++kt) {
-          const int seq = i * k_steps + kt;
+        for (int kt = kb; kt < ke; ++kt, ++seq) {
           const int s = seq % S::kStages, fill = seq / S::kStages;
           if (fill > 0) mbar_wait(&empty[s], (fill - 1) & 1);
           mbar_arrive_expect_tx(&full[s], S::kAStage + S::kBStage +
@@ -668,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kPair) {
         // Every slot's last fill released by both CTAs' consumers before this CTA exits: the
         // other CTA's consumers arrive on these barriers.
-        const int total = local_tiles * k_steps;
+        const int total = work.steps();
         for (int seq = total; seq < total + S::kStages; ++seq)
           if (seq >= S::kStages) mbar_wait(&empty[seq % S::kStages], (seq / S::kStages - 1) & 1);
       }
@@ -685,20 +831,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float scale = Op::kFp8 && !kBlocks ? p.scale_inv[0][0] * p.scale_inv[1][0] : 1.f;
   float acc[S::kSubs][BN / 2];
   float part[S::kSubs][BN / 2];  // kBlocks: one K block's products
-  for (int i = kCoop ? 0 : consumer; i < local_tiles; i += kCoop ? 1 : 2) {
+  for (int i = kCoop ? 0 : consumer; i < work.count(); i += kCoop ? 1 : 2) {
     // Ping-pong: the other consumer waited for all of tile i - 1's slots.
     if (!kCoop && i > 0) bar_sync(1 + consumer, 256);
-    const auto run = [&](const auto& scales) {
-      return main_loop<In, S, kCoop>(acc, part, a_smem, b_smem, full, empty, i * k_steps,
-                                     k_steps, a_rows * kRowBytes, scales, consumer,
-                                     local_tiles * k_steps - 1);
-    };
     int prev = -1;
     {
-      // The tile's coordinates here and again for the epilogue: not held through the main loop
-      // (registers).
-      int mt, nt;
-      tile_coords<S::kCtas>(p, i, mt, nt);
+      // The unit and its tile's coordinates here and again after the main loop: not held
+      // through it (registers).
+      int kb, ke, mt, nt;
+      tile_coords<S::kCtas>(p, work.at(i, kb, ke), mt, nt);
+      const auto run = [&](const auto& scales) {
+        return main_loop<In, S, kCoop>(acc, part, a_smem, b_smem, full, empty, work.seq0(i),
+                                       ke - kb, a_rows * kRowBytes, scales, consumer,
+                                       work.steps() - 1);
+      };
       const int x_row = tile_x_row(p, nt, S::kTileTokens);
       if constexpr (kTokensM) {
         const int w_row = mt * BN;
@@ -717,12 +863,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         prev = run(NoScales{});
       }
     }
-    if (!kCoop && i + 1 < local_tiles) bar_arrive(1 + (1 - consumer), 256);
+    if (!kCoop && i + 1 < work.count()) bar_arrive(1 + (1 - consumer), 256);
     if constexpr (!kBlocks) {
       wgmma_wait<0>();
 #pragma unroll
       for (int sub = 0; sub < S::kSubs; ++sub) fence_regs(acc[sub]);
       if ((threadIdx.x & 31) == 0) release_slot<S>(&empty[prev]);
+    }
+    int kb, ke;
+    const int unit = work.at(i, kb, ke);
+    if constexpr (kSplit) {
+      if (ke < k_steps) {  // a part before the tile's last K step
+        split_store<S>(p, acc, consumer);
+        continue;
+      }
+      if (kb > 0) split_add<S>(p, acc, consumer, work.first_cta(unit));
     }
     if constexpr (Op::kFp8 && !kBlocks) {
 #pragma unroll
@@ -733,7 +888,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int mt, nt;
     // The consumer's first weight column and first token in the tile (a pair's tile that is
     // none: nothing stored).
-    if (tile_coords<S::kCtas>(p, i, mt, nt))
+    if (tile_coords<S::kCtas>(p, unit, mt, nt))
       epilogue<T, S>(p, acc, mt * S::kTileWeights + (kTokensM ? 0 : a_rows),
                      kTokensM ? a_rows : 0, nt, stage, consumer, pass);
   }

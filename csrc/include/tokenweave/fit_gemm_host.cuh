@@ -114,6 +114,12 @@ using BnRange =
 // kBlockK / gcd(BN, kBlockK) of them, so few extents with a large power of two.
 using TokensMExtents = std::integer_sequence<int, 64, 96, 128, 144, 160, 176, 192, 208>;
 
+// Split K: the CTAs that deal out the split tiles' K steps, p.split_steps each.
+inline int64_t split_ctas(const FitGemmParams& p, int stage_k) {
+  const int64_t steps = static_cast<int64_t>(p.split_tiles) * ((p.k + stage_k - 1) / stage_k);
+  return (steps + p.split_steps - 1) / p.split_steps;
+}
+
 // Queue the GEMM: x [x_rows, k] and w [n_out, k] row-major In, their rows x_pitch and w_pitch
 // elements apart, rows of T into the inboxes (p.scale_inv set for e4m3 operands; kBlocks: x's
 // block scales at x_scales, `scale_cols` apart (p.xs_stride), and p.ws_stride / p.w_blocks the
@@ -182,7 +188,10 @@ LaunchStatus launch(const void* x, int64_t x_rows, int64_t x_pitch, const void* 
       config.gridDim = dim3((p.tiles < clusters ? p.tiles : clusters) * S::kCtas);
       err = cudaLaunchKernelEx(&config, kernel, w_map, x_map, s_map, p);
     } else {
-      const int grid = (p.tiles < clusters ? p.tiles : clusters) * S::kCtas;
+      // Split K: every CTA given, whose count the whole tiles' waves assume (Work; ops.cu
+      // checks that the split tiles' shares fit).
+      const int units = p.split_tiles > 0 ? clusters : p.tiles;
+      const int grid = (units < clusters ? units : clusters) * S::kCtas;
       kernel<<<grid, kThreads, S::kSmem, stream>>>(w_map, x_map, s_map, p);
       err = cudaPeekAtLastError();  // left for the caller's message
     }

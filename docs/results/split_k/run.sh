@@ -1,27 +1,19 @@
-#!/bin/bash
-# Split K on one GPU (split_k.patch: fit_gemm.cuh's Work / split_store / split_add, the op's
-# `split` argument, ops/segments.split_k_tiles, the inbox's flags and sums, bench gemm_fused's
-# `tokenweave_split_<region>` rows, the GPU tests), run from the repo root on the device
-# machine, one call (~6 min on an H100): the patch applied to the copy there, the extension
-# built, the GPU tests of the fitted kernel (split K's, the whole-tile modes', pairs') and of
-# the op's checks, then bench gemm_fused at the counts to 5003 on every dense family's shards,
-# bf16, one process per model, split K timed beside the pick, until SPLIT_K_SECONDS (585) from
-# the start. Results: $OUT/split_k.tgz (the JSONs, the test and bench logs), packed after each
-# step; read them with summary.py.
+# Split K on one GPU (fit_gemm.cuh's Work / split_store / split_add, ops/segments.split_k_tiles
+# and its rule, bench gemm_fused's `tokenweave_split_<region>` rows), run from the repo root on
+# the device machine, one call (~6 min on an H100): the extension built, the GPU tests of the
+# fitted kernel (split K's, the whole-tile modes', pairs') and of the op's checks, then bench
+# gemm_fused at the counts to 5003 on every dense family's shards, bf16, one process per model,
+# split K's regions timed beside the pick and beside their tiles unsplit, until
+# SPLIT_K_SECONDS (585) from the start. Results: $OUT/split_k.tgz (the JSONs, the test and
+# bench logs), packed after each step; read them with summary.py.
 #   [SPLIT_K_SECONDS=S] bash docs/results/split_k/run.sh [MODEL...]
 set -u
-here=$(dirname "$0")
 t0=$(date +%s)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
 res=$(mktemp -d)
 pack() { (cd "$res" && tar czf "${OUT:-/tmp}/split_k.tgz" ./*); }
-# The extension built here takes the patched op: gone at the end, so that a later call on the
-# same machine (its tracked files copied afresh, unpatched) builds its own instead.
-trap 'rm -f megatron_tokenweave/_C*.so' EXIT
 at() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
-git apply --check "$here/split_k.patch" 2>/dev/null && git apply "$here/split_k.patch"
-grep -q split_steps csrc/include/tokenweave/fit_gemm.cuh || { echo "split_k.patch not applied"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 MAX_JOBS=16 python3 setup.py build_ext --inplace > "$res/build.log" 2>&1; at "build rc=$?"
 timeout 240 python3 -m pytest -q -rf --tb=short -s -p no:cacheprovider \

@@ -1,9 +1,11 @@
-"""run.sh's per-model JSONs (bench gemm_fused with `tokenweave_split` beside the pick) as one
-file, its plot beside it; printed: per point cuBLAS over the pick and over split K, and split
-K's speed over the pick's; per K steps of a tile (the fixed cost of its sums weighs less over
-more steps) and per wave efficiency of the tiles the pick runs, the median of split K over the
-pick; the points at or above 0.98x of cuBLAS with the pick and with the faster of the two (what
-a rule choosing between them could reach at best): the data a pick rule is fitted to.
+"""run.sh's per-model JSONs (bench gemm_fused with split K's rows beside the pick) as one file,
+its plot beside it; printed: per point cuBLAS over the pick, over split K's tiles without it
+(`tokenweave_split_none`) and over each split region (`tokenweave_split_<region>`), and the
+fastest region's speed over its tiles without split K; per K steps of a tile (the fixed cost of
+the sums weighs less over more steps) and per wave efficiency of split K's tiles without it, the
+median of that speed-up; the points at or above 0.98x of cuBLAS with the pick and with the
+fastest of the pick and the split rows (what a rule choosing between them could reach at best):
+the data a pick rule is fitted to.
 
     python docs/results/split_k/summary.py SRC OUT.json "COMMAND"
 """
@@ -25,10 +27,15 @@ from megatron_tokenweave.bench.gemm_fused import GEMMS  # noqa: E402
 from megatron_tokenweave.bench.report import dump_result, save_plot  # noqa: E402
 from megatron_tokenweave.bench.split_cost import layer_gemms  # noqa: E402
 from megatron_tokenweave.models import SHAPES  # noqa: E402
-from megatron_tokenweave.ops.segments import fitted_tiles, tiles_for, wave_efficiency  # noqa: E402
+from megatron_tokenweave.ops.segments import (  # noqa: E402
+    SPLIT_REGIONS,
+    split_k_tiles,
+    wave_efficiency,
+)
 from megatron_tokenweave.ops.validate import Layout  # noqa: E402
 
-KEPT = ("cublas", "tokenweave", "tokenweave_split")
+SPLITS = tuple(f"tokenweave_split_{r}" for r in SPLIT_REGIONS)
+KEPT = ("cublas", "tokenweave", "tokenweave_split_none", *SPLITS)
 CTAS = 132  # an H200's and an H100 SXM's SMs
 
 
@@ -40,13 +47,10 @@ def points(rows: list[dict]) -> dict[tuple, dict[str, float]]:
     return {k: {i: statistics.median(u) for i, u in v.items()} for k, v in t.items()}
 
 
-def pick_efficiency(model: str, gemm: str, tp: int, tokens: int) -> tuple[float, int]:
-    """The wave efficiency of the tiles the pick runs (the fitted ones where it takes them) and
-    a tile's K steps."""
+def split_shape(model: str, gemm: str, tp: int, tokens: int) -> tuple[float, int]:
+    """The wave efficiency of split K's tiles without it, and a tile's K steps."""
     k, n = layer_gemms(SHAPES[model], tp)[GEMMS[gemm]]
-    t = tiles_for(Layout.REPLICATED, tp, tokens, n, k, CTAS, fitted=True)
-    if t.fitted:
-        t = fitted_tiles(Layout.REPLICATED, tp, tokens, n, CTAS)
+    t = split_k_tiles(Layout.REPLICATED, tp, tokens, n, k, CTAS)
     return wave_efficiency(t, Layout.REPLICATED, tp, tokens, n, CTAS), -(-k // t.block_k)
 
 
@@ -58,31 +62,38 @@ def main() -> None:
             d = json.load(fh)
         head = head or {k: v for k, v in d.items() if k != "rows"}
         rows += [r for r in d["rows"] if r["impl"] in KEPT]
-    got = {k: v for k, v in points(rows).items() if "tokenweave_split" in v}
-    by_steps, by_eff, pick_ok, best_ok = defaultdict(list), defaultdict(list), 0, 0
+    got = {k: v for k, v in points(rows).items() if "tokenweave_split_none" in v}
+    by_steps, by_eff, wins = defaultdict(list), defaultdict(list), defaultdict(int)
+    pick_ok = best_ok = 0
     fig, ax = plt.subplots(figsize=(7, 4))
     for (m, g, tp, n), us in sorted(got.items()):
-        pick, split = us["cublas"] / us["tokenweave"], us["cublas"] / us["tokenweave_split"]
-        eff, steps = pick_efficiency(m, g, tp, n)
-        gain = us["tokenweave"] / us["tokenweave_split"]
+        eff, steps = split_shape(m, g, tp, n)
+        best = min((i for i in SPLITS if i in us), key=us.get)
+        gain = us["tokenweave_split_none"] / us[best]
+        wins[best] += 1
         ax.scatter(eff, gain, s=10 + steps / 4, c="C0" if g == "fc2" else "C1", alpha=0.6)
         by_steps[min(steps // 32 * 32, 224)].append(gain)
         by_eff[round(min(eff, 0.999) * 20) / 20].append(gain)
-        pick_ok += pick >= 0.98
-        best_ok += max(pick, split) >= 0.98
-        print(f"{m:14s} {g:6s} TP{tp} {n:5d}  pick {pick:.3f}  split {split:.3f}  "
-              f"split/pick {gain:.3f}  (pick's wave efficiency {eff:.2f}, {steps} K steps)")
-    for name, groups in (("K steps of a tile", by_steps), ("the pick's wave efficiency", by_eff)):
-        print(f"split K's speed over the pick's by {name}: median (min-max, points)")
+        ratios = {i: us["cublas"] / us[i] for i in KEPT[1:] if i in us}
+        pick_ok += ratios["tokenweave"] >= 0.98
+        best_ok += max(ratios.values()) >= 0.98
+        print(f"{m:14s} {g:6s} TP{tp} {n:5d}  pick {ratios['tokenweave']:.3f}  "
+              + "  ".join(f"{i.removeprefix('tokenweave_split_')} {r:.3f}"
+                          for i, r in ratios.items() if i != "tokenweave")
+              + f"  best/none {gain:.3f}  (wave efficiency {eff:.2f}, {steps} K steps)")
+    for name, groups in (("K steps of a tile", by_steps), ("the tiles' wave efficiency", by_eff)):
+        print(f"the fastest split's speed over its tiles without it by {name}: median (min-max, "
+              f"points)")
         for key, v in sorted(groups.items()):
             v.sort()
             print(f"  {key}: {statistics.median(v):.3f} ({v[0]:.3f}-{v[-1]:.3f}, {len(v)})")
-    print(f"at or above 0.98x of cuBLAS: the pick {pick_ok}, the faster of the two {best_ok}, "
-          f"of {len(got)}")
+    print(f"fastest region: {dict(wins)}")
+    print(f"at or above 0.98x of cuBLAS: the pick {pick_ok}, the fastest of the pick and the "
+          f"split rows {best_ok}, of {len(got)}")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("wave efficiency of the pick's tiles")
-    ax.set_ylabel("split K's speed / the pick's")
-    ax.set_title(f"split K beside the pick (fc2 blue, o_proj orange; size: K steps; "
+    ax.set_xlabel("wave efficiency of split K's tiles without it")
+    ax.set_ylabel("fastest split / the same tiles unsplit")
+    ax.set_title(f"split K beside its tiles unsplit (fc2 blue, o_proj orange; size: K steps; "
                  f"{head['gpu']})", fontsize=9)
     with open(path, "w") as fh:
         dump_result({**head, "command": command, "rows": rows}, fh)
