@@ -37,6 +37,9 @@ from megatron_tokenweave.ops.validate import Layout  # noqa: E402
 SPLITS = tuple(f"tokenweave_split_{r}" for r in SPLIT_REGIONS)
 KEPT = ("cublas", "tokenweave", "tokenweave_split_none", *SPLITS)
 CTAS = 132  # an H200's and an H100 SXM's SMs
+# A row's fields kept (the bench's dtype, pass and tile label left out: the committed results
+# travel with the working tree, tests/test_checkout_size.py); the dtypes go in the header.
+FIELDS = ("model", "gemm", "tp", "tokens", "impl", "us")
 
 
 def points(rows: list[dict]) -> dict[tuple, dict[str, float]]:
@@ -56,12 +59,14 @@ def split_shape(model: str, gemm: str, tp: int, tokens: int) -> tuple[float, int
 
 def main() -> None:
     src, path, command = sys.argv[1:4]
-    rows, head = [], None
+    rows, head, dtypes = [], None, set()
     for f in sorted(glob.glob(f"{src}/*.json")):
         with open(f) as fh:
             d = json.load(fh)
         head = head or {k: v for k, v in d.items() if k != "rows"}
-        rows += [r for r in d["rows"] if r["impl"] in KEPT]
+        kept = [r for r in d["rows"] if r["impl"] in KEPT]
+        dtypes |= {r.get("dtype", "bf16") for r in kept}
+        rows += [{k: r[k] for k in FIELDS} for r in kept]
     got = {k: v for k, v in points(rows).items() if "tokenweave_split_none" in v}
     by_steps, by_eff, wins = defaultdict(list), defaultdict(list), defaultdict(int)
     pick_ok = best_ok = 0
@@ -96,7 +101,8 @@ def main() -> None:
     ax.set_title(f"split K beside its tiles unsplit (fc2 blue, o_proj orange; size: K steps; "
                  f"{head['gpu']})", fontsize=9)
     with open(path, "w") as fh:
-        dump_result({**head, "command": command, "rows": rows}, fh)
+        dump_result({**head, "command": command, "dtype": " ".join(sorted(dtypes)),
+                     "rows": rows}, fh)
     save_plot(fig, path.removesuffix(".json") + ".png", 110)
 
 
