@@ -815,12 +815,13 @@ def test_fit_tiles_take_64_row_consumers_in_the_cooperative_mode_only():
 @pytest.mark.parametrize("layout", list(Layout))
 def test_split_k_tiles_split_the_part_wave(layout):
     """split_k_tiles: cooperative tiles of the extent that covers the rows with the least area
-    (a tile's fixed cost counted), none where every wave is full; the split tiles the part wave
-    ("part", "even") or it and one whole wave ("two", where there is one), their K steps dealt
-    out to at most the CTAs given: "even" and "two" as few steps a CTA as fit, "part" at least
-    that and at least the model's (sqrt(SPLIT_ADD_STEPS x K steps), capped at a tile's);
-    the op's geometry carries the split tiles and steps last. fit_tiles refuses split K outside
-    the cooperative mode, in pairs, in blocks, and with one of the two 0 or negative."""
+    (a tile's fixed cost counted) or of the one given, none where every wave is full; the split
+    tiles the part wave ("part", "even") or it and one whole wave ("two", where there is one),
+    their K steps dealt out to at most the CTAs given: "even" and "two" as few steps a CTA as
+    fit, "part" at least that and at least the model's (sqrt(SPLIT_ADD_STEPS x K steps), capped
+    at a tile's); the op's geometry carries the split tiles and steps last. fit_tiles refuses
+    split K outside the cooperative mode, in pairs, in blocks, and with one of the two 0 or
+    negative."""
     for world, rows, hidden, k, ctas in ((2, 777, 3584, 9472, 132), (8, 513, 8192, 1024, 132),
                                          (4, 1, 1000, 200, 132), (2, 5003, 8192, 7168, 132),
                                          (2, 1024, 5120, 13824, 132)):
@@ -842,6 +843,11 @@ def test_split_k_tiles_split_the_part_wave(layout):
                                                                       t.split_steps]
     # 777 tokens: 4 x 200 (3 % padding) beats 5 x 160 and 7 x 112 in area
     assert split_k_tiles(Layout.REPLICATED, 2, 777, 3584, 9472, 132).block_rows == 200
+    # an extent given: 6 token tiles of 136 by 14 weight tiles of 256 rows, all in the part wave
+    t = split_k_tiles(Layout.REPLICATED, 2, 777, 3584, 9472, 132, extent=136)
+    assert (t.block_rows, t.block_cols, t.split_tiles) == (136, 256, 84)
+    with pytest.raises(TokenWeaveInputError, match="at most 208 tokens"):
+        split_k_tiles(Layout.REPLICATED, 2, 777, 3584, 9472, 132, extent=216)
     # 5003 tokens (of each of 2 chunks, sequence parallel) of hidden 8192 in tiles of 168 x
     # 256: 30 x 32 tiles (60 x 32), 8 (16) whole waves of 120
     assert split_k_tiles(layout, 2, 5003, 8192, 7168, 120) is None

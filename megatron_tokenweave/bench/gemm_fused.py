@@ -20,7 +20,8 @@ where the fitted kernel's cooperative mode runs (not in blocks), its tiles of 12
 (the narrow ones below where the pick's take 64-row consumers) in pairs of CTAs sharing each
 weight tile's loads (`tokenweave_fit<tokens>c2`, never the pick), and split K
 (`tokenweave_split_<region>`: ops/segments.split_k_tiles, beside its tiles without it,
-`tokenweave_split_none`; never the pick);
+`tokenweave_split_none`, and `tokenweave_split_fitted`: the part wave split of the fitted
+tiles' own cooperative extent where that differs; never the pick);
 not in blocks, the fitted tiles the pick rule gives with cooperative extents to FIT_MAX_ROWS
 (`tokenweave_narrow`) and to FIT_WIDE_MAX_ROWS (`tokenweave_wide`: 64-row consumers past
 FIT_MAX_ROWS), each where they are not the fitted tiles timed already.
@@ -231,6 +232,16 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
                     tiles=replace(tiles, split_tiles=0, split_steps=0))
                 other[f"tokenweave_split_{region}"] = segments(
+                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+            # split K's part wave of the fitted tiles' own cooperative extent, where that is
+            # not the area-best one (never the pick)
+            own = fit_seg.tiles
+            tiles = (split_k_tiles(Layout.REPLICATED, tp, tokens, n, k, sms, own.block_k,
+                                   extent=own.block_rows)
+                     if own.cooperative and not own.pair and not own.split_tiles else None)
+            none = other.get("tokenweave_split_none")
+            if tiles is not None and (none is None or none.tiles.block_rows != tiles.block_rows):
+                other["tokenweave_split_fitted"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
         if fp8 == "tensor" and triton.tiles.consumers == 2:
             other["tokenweave_one_consumer"] = segments(

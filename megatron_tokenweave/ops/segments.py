@@ -330,11 +330,13 @@ SPLIT_REGIONS = ("part", "even", "two")
 
 
 def split_k_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
-                  block_k: int = 64, region: str = "part") -> GemmTiles | None:
+                  block_k: int = 64, region: str = "part",
+                  extent: int | None = None) -> GemmTiles | None:
     """Split K's tiles of a call (`segments`'s arguments; block_k: FP8_BLOCK_K for e4m3
-    operands), None where every wave of tiles is full: the cooperative extent to
-    FIT_WIDE_MAX_ROWS whose tiles cover the call's rows with the least area (each tile +
-    FIT_TILE_COST tokens, as `fit_pick` weighs them), the whole waves of tiles as without split
+    operands), None where every wave of tiles is full: the cooperative tiles of `extent` tokens,
+    or (None) of the extent to FIT_WIDE_MAX_ROWS whose tiles cover the call's rows with the
+    least area (each tile + FIT_TILE_COST tokens, as `fit_pick` weighs them), the whole waves of
+    tiles as without split
     K, the K steps of the rest dealt out to the CTAs (fit_gemm.cuh Work). region "part": the
     part wave, as many steps a CTA as a model finds fastest (its time plus SPLIT_ADD_STEPS for
     each other CTA's sums of its tiles, at least what spreads them over every CTA); "even": the
@@ -348,8 +350,10 @@ def split_k_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int, ct
         m_tiles = -(-hidden // fit_tile_rows(extent, True))
         return m_tiles * groups * -(-max(1, rows) // extent)
 
-    extent = min(range(FIT_MIN_ROWS, FIT_WIDE_MAX_ROWS + 1, 8),
-                 key=lambda e: (tiles(e) * fit_tile_rows(e, True) * (e + FIT_TILE_COST), -e))
+    if extent is None:
+        extent = min(range(FIT_MIN_ROWS, FIT_WIDE_MAX_ROWS + 1, 8),
+                     key=lambda e: (tiles(e) * fit_tile_rows(e, True) * (e + FIT_TILE_COST), -e))
+    fit_tiles(extent, True, block_k)  # the extent's checks
     count, k_steps = tiles(extent), -(-k // block_k)
     part = count % max(1, ctas)
     if part == 0:

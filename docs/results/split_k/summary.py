@@ -35,7 +35,7 @@ from megatron_tokenweave.ops.segments import (  # noqa: E402
 from megatron_tokenweave.ops.validate import Layout  # noqa: E402
 
 SPLITS = tuple(f"tokenweave_split_{r}" for r in SPLIT_REGIONS)
-KEPT = ("cublas", "tokenweave", "tokenweave_split_none", *SPLITS)
+KEPT = ("cublas", "tokenweave", "tokenweave_split_none", *SPLITS, "tokenweave_split_fitted")
 CTAS = 132  # an H200's and an H100 SXM's SMs
 # A row's fields kept (the bench's dtype, pass and tile label left out: the committed results
 # travel with the working tree, tests/test_checkout_size.py); the dtypes go in the header.
