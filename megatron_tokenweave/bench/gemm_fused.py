@@ -222,17 +222,18 @@ def measure(model: str, tp: int, tokens: int, iters: int, dtype: str = "bf16",
                 pair = replace(coop, pair=True)
                 other[f"tokenweave_{_tiles_name(pair)}"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=pair)
-            # split K in each region, and its tiles without it (never the pick)
+            # split K in each region, and its tiles without it (never the pick; none where
+            # every wave is full, in any region)
             for region in SPLIT_REGIONS:
                 tiles = split_k_tiles(Layout.REPLICATED, tp, tokens, n, k, sms,
                                       triton.tiles.block_k, region)
-                if tiles is None:
-                    continue
+                if tiles is not None:
+                    other[f"tokenweave_split_{region}"] = segments(
+                        Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
+            if tiles is not None:
                 other["tokenweave_split_none"] = segments(
                     Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms,
                     tiles=replace(tiles, split_tiles=0, split_steps=0))
-                other[f"tokenweave_split_{region}"] = segments(
-                    Layout.REPLICATED, tp, tokens, hidden=n, k=k, ctas=sms, tiles=tiles)
             # split K's part wave of the fitted tiles' own cooperative extent, where that is
             # not the area-best one (never the pick)
             own = fit_seg.tiles

@@ -336,19 +336,15 @@ def split_k_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int, ct
     operands), None where every wave of tiles is full: the cooperative tiles of `extent` tokens,
     or (None) of the extent to FIT_WIDE_MAX_ROWS whose tiles cover the call's rows with the
     least area (each tile + FIT_TILE_COST tokens, as `fit_pick` weighs them), the whole waves of
-    tiles as without split
-    K, the K steps of the rest dealt out to the CTAs (fit_gemm.cuh Work). region "part": the
-    part wave, as many steps a CTA as a model finds fastest (its time plus SPLIT_ADD_STEPS for
-    each other CTA's sums of its tiles, at least what spreads them over every CTA); "even": the
-    part wave spread over every CTA; "two": the part wave and one whole wave (where there is
-    one) spread over every CTA."""
+    tiles as without split K, the K steps of the rest dealt out to the CTAs (fit_gemm.cuh
+    Work). region "part": the part wave, as many steps a CTA as a model finds fastest (its time
+    plus SPLIT_ADD_STEPS for each other CTA's sums of its tiles, at least what spreads them over
+    every CTA); "even": the part wave spread over every CTA; "two": the part wave and one whole
+    wave (where there is one) spread over every CTA."""
     if region not in SPLIT_REGIONS:
         raise TokenWeaveInputError(f"region must be one of {SPLIT_REGIONS}, got {region!r}")
-    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
-
     def tiles(extent: int) -> int:
-        m_tiles = -(-hidden // fit_tile_rows(extent, True))
-        return m_tiles * groups * -(-max(1, rows) // extent)
+        return row_blocks(layout, world, rows, extent) * -(-hidden // fit_tile_rows(extent, True))
 
     if extent is None:
         extent = min(range(FIT_MIN_ROWS, FIT_WIDE_MAX_ROWS + 1, 8),
@@ -488,8 +484,7 @@ def _split_k_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ct
     t = split_k_tiles(layout, world, rows, hidden, k, ctas)
     if t is None or -(-k // t.block_k) < SPLIT_MIN_K_STEPS or t.split_tiles < SPLIT_MIN_PART:
         return None
-    groups = world if layout is Layout.SEQUENCE_PARALLEL else 1
-    tiles = -(-hidden // t.block_cols) * groups * -(-max(1, rows) // t.block_rows)
+    tiles = row_blocks(layout, world, rows, t.block_rows) * t.col_tiles(hidden)
     return t if tiles // max(1, ctas) >= SPLIT_MIN_WAVES else None
 
 
