@@ -740,8 +740,9 @@ void fit_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional
            row0, ", ", row0 + seg_rows, ") outside the slot's ", slot_rows);
   TW_CHECK(coop >= 0 && coop <= 2, "tokenweave: fit_gemm: cooperative must be 0, 1 or 2 (pairs)");
   const bool pair = coop == 2;
-  TW_CHECK(!pair || (!blocks && ctas >= 2), "tokenweave: fit_gemm: pairs take 16-bit or per-tensor "
-           "e4m3 operands and at least 2 CTAs; got ", blocks ? "block scales, " : "", ctas, " CTAs");
+  TW_CHECK(!pair || (!blocks && ctas >= 2),
+           "tokenweave: fit_gemm: pairs take 16-bit or per-tensor e4m3 operands and at least 2 "
+           "CTAs; got ", blocks ? "block scales, " : "", ctas, " CTAs");
   if (tokens_m) {
     // A tile's 64 or 128 token rows may reach past its group's and x's rows: x's tensor map ends
     // at x's rows (the copy engine fills zeros past them), the x scales past their columns are

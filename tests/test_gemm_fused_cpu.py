@@ -315,19 +315,23 @@ def test_fitted_tiles_fit_the_call(layout, world, shape):
 def test_fitted_kernel_takes_calls_where_the_triton_tiles_waste_waves(layout, world, shape):
     """Where the fitted kernel runs (`fitted`), it takes the calls of at least FIT_MIN_CALL rows
     whose Triton pick covers the call's area at under FIT_BELOW of its waves (under
-    FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features); elsewhere, and wherever it does
-    not run, the Triton pick stands."""
+    FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features), and in its ping-pong mode the
+    part-empty waves of `_part_wave_call`; elsewhere, and wherever it does not run, the Triton
+    pick stands."""
+    from megatron_tokenweave.ops.segments import _part_wave_call
+
     hidden, ctas = shape
     for k, rows in itertools.product((FIT_SHORT_K - 128, FIT_SHORT_K, 4096), range(1, 5000, 37)):
         triton = tiles_for(layout, world, rows, hidden, k, ctas)
         assert not triton.fitted
         total = world * rows if layout is Layout.SEQUENCE_PARALLEL else rows
         below = FIT_BELOW if k >= FIT_SHORT_K else FIT_BELOW_SHORT_K
-        takes = total >= FIT_MIN_CALL and wave_efficiency(
-            triton, layout, world, rows, hidden, ctas) < below
+        eff = wave_efficiency(triton, layout, world, rows, hidden, ctas)
+        fit = fitted_tiles(layout, world, rows, hidden, ctas)
+        takes = total >= FIT_MIN_CALL and (eff < below or not fit.cooperative and _part_wave_call(
+            layout, world, rows, hidden, k, ctas, None, eff))
         got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
-        assert got == (fitted_tiles(layout, world, rows, hidden, ctas) if takes else triton), (
-            k, rows)
+        assert got == (fit if takes else triton), (k, rows)
 
 
 def test_fitted_kernel_of_the_measured_shapes():
@@ -406,6 +410,38 @@ def test_split_k_rule_takes_the_points_it_was_measured_faster_at():
     expected = {(m, "fc2", tp, rows) for m in ("qwen2.5-32b", "llama-3.3-70b", "qwen2.5-72b")
                 for tp in (2, 4) for rows in (2500, 3001, 5003)}
     assert taken == expected | {("llama-3-8b", "fc2", 2, 5003)}
+
+
+def test_part_wave_rule_takes_the_points_it_was_measured_faster_at():
+    """FIT_BELOW_PINGPONG's rule over the bench's default counts (every dense family's o_proj
+    and fc2 at TP 2, 4 and 8, replicated): the fitted kernel's ping-pong mode in the Triton
+    pick's place exactly at the 18 points where it measured faster than that pick on one H200
+    in bf16 and on one H100 in fp16 (docs/results/gemm_fused_1gpu.json and _fp16.json:
+    Qwen2.5-32B at 3001 and 5003 tokens, Qwen2.5-7B at 5003 and 6143, K >= 1024); never in
+    FP8, never in the sequence-parallel layout (not measured there)."""
+    from megatron_tokenweave.bench.gemm_fused import GEMMS, SWEEP
+    from megatron_tokenweave.bench.split_cost import layer_gemms
+    from megatron_tokenweave.models import SHAPES
+    from megatron_tokenweave.ops import segments as sg
+
+    taken = set()
+    for model in ("qwen2.5-7b", "llama-3.3-70b", "qwen2.5-32b", "qwen2.5-72b", "llama-3-8b"):
+        for gemm, tp, rows in itertools.product(GEMMS, (2, 4, 8), SWEEP):
+            k, n = layer_gemms(SHAPES[model], tp)[GEMMS[gemm]]
+            for layout, fp8 in itertools.product(LAYOUTS, (None, "tensor")):
+                triton = sg._triton_tiles(layout, tp, rows, n, k, 132)
+                eff = sg.wave_efficiency(triton, layout, tp, rows, n, 132)
+                fit = sg.fitted_tiles(layout, tp, rows, n, 132)
+                if eff >= sg.FIT_BELOW and not fit.cooperative and sg._part_wave_call(
+                        layout, tp, rows, n, k, 132, fp8, eff):  # under FIT_BELOW: its own rule
+                    assert (layout, fp8) == (Layout.REPLICATED, None)
+                    taken.add((model, gemm, tp, rows))
+                    assert tiles_for(layout, tp, rows, n, k, 132, fitted=True) == fit
+    qwen32 = {("qwen2.5-32b", g, tp, rows) for g in GEMMS for tp in (2, 4, 8)
+              for rows in (3001, 5003)} - {("qwen2.5-32b", "o_proj", 8, r) for r in (3001, 5003)}
+    qwen7 = {("qwen2.5-7b", g, tp, rows) for g, tp in (("o_proj", 2), ("fc2", 2), ("fc2", 4),
+                                                        ("fc2", 8)) for rows in (5003, 6143)}
+    assert taken == qwen32 | qwen7
 
 
 def test_long_k_devices_by_name():

@@ -176,6 +176,18 @@ FIT_MIN_CALL = 512
 # 2026-12-06, gemm_fused_1gpu_fp8.json: 402 -> 410); docs/kernel.md "Short K".
 FIT_SHORT_K = 1024
 FIT_BELOW_SHORT_K = 0.75
+# Between FIT_BELOW and FIT_BELOW_PINGPONG, 16-bit calls over at least FIT_SHORT_K in-features
+# with at least FIT_PINGPONG_MIN_TILES ping-pong tiles a CTA (a part-empty second wave or later)
+# take the fitted kernel where its tiles take its ping-pong mode, in the replicated layout (the
+# sweeps'; sequence parallel keeps its pick until measured): at the sweep's points that is
+# 18 shards (Qwen2.5-32B at 3001 and 5003 tokens, Qwen2.5-7B at 5003 and 6143; efficiencies
+# 0.888-0.925), where it measured faster than the Triton pick at all 18 on one H200 in bf16
+# (1.010-1.064x, median 1.037; gemm_fused_1gpu.json, 2026-12-07) and at all 18 on one H100 in
+# fp16 (1.002-1.262x, median 1.067; gemm_fused_1gpu_fp16.json, 2026-12-06); the next
+# efficiency up, 0.942 (Qwen2.5-32B at 3583), had it slower at 5 of 6 on the H200
+# (docs/kernel.md "Part-empty waves").
+FIT_BELOW_PINGPONG = 0.93
+FIT_PINGPONG_MIN_TILES = 2
 FIT_FP8_MIN_K = 2048
 FP8_PARTIAL_BOX_MIN_K = 4096
 # The device matters for 16-bit calls of many tiles: on an H100 (HBM3, 3.35 TB/s) the Triton
@@ -390,7 +402,8 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     0.93-1.09x (one H200, docs/kernel.md "Token counts that are not powers of two").
     fitted: the fitted CUDA kernel can run here (sm_90, the extension built): it takes calls of
     at least FIT_MIN_CALL rows where the Triton pick's wave efficiency is under FIT_BELOW (under
-    FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features).
+    FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features), and 16-bit calls of part-empty
+    waves (`_part_wave_call`: under FIT_BELOW_PINGPONG) where its tiles take its ping-pong mode.
     fp8: e4m3 operands scaled as FP8_SCALINGS names: per tensor the same rules, and the
     fitted kernel also over more than FIT_FP8_MIN_K in-features where its tiles take its
     ping-pong mode; the one-consumer tiles instead over more than FP8_PARTIAL_BOX_MIN_K whose
@@ -409,13 +422,15 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     may_fit = fitted and _call_rows(layout, world, rows) >= FIT_MIN_CALL
     below = FIT_BELOW if k >= FIT_SHORT_K else FIT_BELOW_SHORT_K
     split = _split_k_call(layout, world, rows, hidden, k, ctas, fp8) if may_fit and long_k else None
+    efficiency = wave_efficiency(picked, layout, world, rows, hidden, ctas) if may_fit else 1.0
     if split is not None:
         picked = split
-    elif may_fit and wave_efficiency(picked, layout, world, rows, hidden, ctas) < below:
+    elif efficiency < below:
         picked = fitted_tiles(layout, world, rows, hidden, ctas)
     elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
         picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
-    elif may_fit and _long_k_call(layout, world, rows, hidden, k, ctas, fp8, long_k):
+    elif may_fit and (_long_k_call(layout, world, rows, hidden, k, ctas, fp8, long_k)
+                      or _part_wave_call(layout, world, rows, hidden, k, ctas, fp8, efficiency)):
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
         picked = picked if fit.cooperative else fit
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
@@ -460,6 +475,18 @@ def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
     # WIDE's 64 x 256 tiles against as many 128 x 128 ping-pong ones, which load a fifth fewer
     # operand bytes each: on long K the ping-pong kernel measured faster (docs/kernel.md).
     return PINGPONG if one is WIDE and k > PINGPONG_MAX_K else one
+
+
+def _part_wave_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
+                    fp8: str | None, efficiency: float) -> bool:
+    """Whether a call is one whose Triton pick's waves are part-empty enough for the fitted
+    kernel's ping-pong mode (`tiles_for`): that pick's wave efficiency under
+    FIT_BELOW_PINGPONG, 16-bit operands over at least FIT_SHORT_K in-features, at least
+    FIT_PINGPONG_MIN_TILES ping-pong tiles a CTA; the replicated layout (the one measured)."""
+    return (efficiency < FIT_BELOW_PINGPONG and layout is Layout.REPLICATED and fp8 is None
+            and k >= FIT_SHORT_K
+            and _pingpong_tiles_per_cta(layout, world, rows, hidden, ctas)
+            >= FIT_PINGPONG_MIN_TILES)
 
 
 def _long_k_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,

@@ -3,8 +3,9 @@
 // M their weight rows). No torch here: ops.cu checks the call and turns a status into a Python
 // error. The instantiations compile in csrc/launch_fit_gemm_{bf16,fp16,e4m3_bf16,e4m3_fp16,
 // e4m3_blocks_bf16,e4m3_blocks_fp16}.cu (one operand dtype, scaling and output dtype each, both
-// modes, every BN; 16-bit and per tensor also the cooperative mode in pairs) and, tokens as M, csrc/launch_fit_gemm_e4m3_blocks_tokens_m_{bf16,fp16}.cu
-// (both modes, the weight extents of TokensMExtents).
+// modes, every BN; 16-bit and per tensor also the cooperative mode in pairs) and, tokens as M,
+// csrc/launch_fit_gemm_e4m3_blocks_tokens_m_{bf16,fp16}.cu (both modes, the weight extents of
+// TokensMExtents).
 #pragma once
 
 #include <cuda.h>
