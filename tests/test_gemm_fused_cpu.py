@@ -316,9 +316,14 @@ def test_fitted_kernel_takes_calls_where_the_triton_tiles_waste_waves(layout, wo
     """Where the fitted kernel runs (`fitted`), it takes the calls of at least FIT_MIN_CALL rows
     whose Triton pick covers the call's area at under FIT_BELOW of its waves (under
     FIT_BELOW_SHORT_K over fewer than FIT_SHORT_K in-features), and in its ping-pong mode the
-    part-empty waves of `_part_wave_call`; elsewhere, and wherever it does not run, the Triton
-    pick stands."""
-    from megatron_tokenweave.ops.segments import _part_wave_call
+    part-empty waves of `_part_wave_call`, its ping-pong tiles never under
+    FIT_PINGPONG_MIN_CTA_TILES ping-pong tiles a CTA; elsewhere, and wherever it does not run,
+    the Triton pick stands."""
+    from megatron_tokenweave.ops.segments import (
+        FIT_PINGPONG_MIN_CTA_TILES,
+        _part_wave_call,
+        _pingpong_tiles_per_cta,
+    )
 
     hidden, ctas = shape
     for k, rows in itertools.product((FIT_SHORT_K - 128, FIT_SHORT_K, 4096), range(1, 5000, 37)):
@@ -328,8 +333,10 @@ def test_fitted_kernel_takes_calls_where_the_triton_tiles_waste_waves(layout, wo
         below = FIT_BELOW if k >= FIT_SHORT_K else FIT_BELOW_SHORT_K
         eff = wave_efficiency(triton, layout, world, rows, hidden, ctas)
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
-        takes = total >= FIT_MIN_CALL and (eff < below or not fit.cooperative and _part_wave_call(
-            layout, world, rows, hidden, k, ctas, None, eff))
+        may = fit.cooperative or _pingpong_tiles_per_cta(
+            layout, world, rows, hidden, ctas) >= FIT_PINGPONG_MIN_CTA_TILES
+        takes = total >= FIT_MIN_CALL and may and (eff < below or not fit.cooperative and (
+            _part_wave_call(layout, world, rows, hidden, k, ctas, None, eff)))
         got = tiles_for(layout, world, rows, hidden, k, ctas, fitted=True)
         assert got == (fit if takes else triton), (k, rows)
 
@@ -442,6 +449,36 @@ def test_part_wave_rule_takes_the_points_it_was_measured_faster_at():
     qwen7 = {("qwen2.5-7b", g, tp, rows) for g, tp in (("o_proj", 2), ("fc2", 2), ("fc2", 4),
                                                         ("fc2", 8)) for rows in (5003, 6143)}
     assert taken == qwen32 | qwen7
+
+
+def test_no_fitted_ping_pong_tiles_under_one_ping_pong_tile_a_cta():
+    """Whichever rule would give it (the wave rule, the long-K ones, part-empty waves), the
+    fitted kernel's ping-pong mode is never the pick of a call of fewer 128 x 128 tiles than
+    CTAs (FIT_PINGPONG_MIN_CTA_TILES): at the sweeps' points it was slower than the Triton pick
+    at all 14 such (Qwen2.5-7B at 512 tokens; Llama-3-8B's fc2 in e4m3), which it now keeps."""
+    from megatron_tokenweave.bench.gemm_fused import GEMMS, SWEEP
+    from megatron_tokenweave.bench.split_cost import layer_gemms
+    from megatron_tokenweave.models import SHAPES
+    from megatron_tokenweave.ops.segments import (
+        FIT_PINGPONG_MIN_CTA_TILES,
+        _pingpong_tiles_per_cta,
+    )
+
+    kept = set()
+    for model in SHAPES:
+        for gemm, tp, rows in itertools.product(GEMMS, (2, 4, 8), SWEEP[:3]):
+            k, n = layer_gemms(SHAPES[model], tp)[GEMMS[gemm]]
+            for layout, fp8, long_k in itertools.product(LAYOUTS, (None, "tensor"), (False, True)):
+                t = tiles_for(layout, tp, rows, n, k, 132, fitted=True, fp8=fp8, long_k=long_k)
+                few = _pingpong_tiles_per_cta(layout, tp, rows, n, 132) < FIT_PINGPONG_MIN_CTA_TILES
+                assert not (few and t.fitted and not t.cooperative), (model, gemm, tp, rows)
+                fit = fitted_tiles(layout, tp, rows, n, 132)
+                if few and not fit.cooperative and layout is Layout.REPLICATED and rows == 512:
+                    kept.add((model, gemm, tp, fp8))
+    for tp in (2, 4, 8):  # the measured shards whose fitted tiles are ping-pong ones there
+        assert ("qwen2.5-7b", "fc2", tp, None) in kept
+    assert ("qwen2.5-7b", "o_proj", 2, None) in kept
+    assert ("llama-3-8b", "fc2", 2, "tensor") in kept and ("llama-3-8b", "fc2", 4, "tensor") in kept
 
 
 def test_long_k_devices_by_name():

@@ -188,6 +188,12 @@ FIT_BELOW_SHORT_K = 0.75
 # (docs/kernel.md "Part-empty waves").
 FIT_BELOW_PINGPONG = 0.93
 FIT_PINGPONG_MIN_TILES = 2
+# Under one ping-pong tile a CTA (a call of fewer 128 x 128 tiles than CTAs) the fitted kernel's
+# ping-pong mode never takes a call: there it was slower than the Triton pick at every point
+# where a rule gave it one (Qwen2.5-7B at 512 tokens, Llama-3-8B's fc2 at 512 in e4m3: 4 of 4
+# on one H200 in bf16, 4 of 4 on one H100 in fp16, 6 of 6 on one H100 in e4m3 per tensor;
+# 0.83-0.95x; gemm_fused_1gpu.json, _fp16.json, _fp8.json).
+FIT_PINGPONG_MIN_CTA_TILES = 1
 FIT_FP8_MIN_K = 2048
 FP8_PARTIAL_BOX_MIN_K = 4096
 # The device matters for 16-bit calls of many tiles: on an H100 (HBM3, 3.35 TB/s) the Triton
@@ -425,14 +431,15 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     efficiency = wave_efficiency(picked, layout, world, rows, hidden, ctas) if may_fit else 1.0
     if split is not None:
         picked = split
-    elif efficiency < below:
+    elif efficiency < below and _fitted_may_take(layout, world, rows, hidden, ctas):
         picked = fitted_tiles(layout, world, rows, hidden, ctas)
     elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
         picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
     elif may_fit and (_long_k_call(layout, world, rows, hidden, k, ctas, fp8, long_k)
                       or _part_wave_call(layout, world, rows, hidden, k, ctas, fp8, efficiency)):
         fit = fitted_tiles(layout, world, rows, hidden, ctas)
-        picked = picked if fit.cooperative else fit
+        picked = fit if not fit.cooperative and _fitted_may_take(
+            layout, world, rows, hidden, ctas) else picked
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
 
 
@@ -475,6 +482,14 @@ def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
     # WIDE's 64 x 256 tiles against as many 128 x 128 ping-pong ones, which load a fifth fewer
     # operand bytes each: on long K the ping-pong kernel measured faster (docs/kernel.md).
     return PINGPONG if one is WIDE and k > PINGPONG_MAX_K else one
+
+
+def _fitted_may_take(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> bool:
+    """Whether the fitted tiles of a call may be its pick (`tiles_for`): cooperative ones
+    always, ping-pong ones from FIT_PINGPONG_MIN_CTA_TILES ping-pong tiles a CTA."""
+    return (fitted_tiles(layout, world, rows, hidden, ctas).cooperative
+            or _pingpong_tiles_per_cta(layout, world, rows, hidden, ctas)
+            >= FIT_PINGPONG_MIN_CTA_TILES)
 
 
 def _part_wave_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
