@@ -58,7 +58,7 @@ def main() -> None:
     ax.set_title(f"The one-shot path's call check, per build ({gpu}, {date})")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_plot(fig, out.removesuffix(".json") + ".png", dpi=110)
+    save_plot(fig, out.removesuffix(".json") + ".png", dpi=80)
 
 
 if __name__ == "__main__":
