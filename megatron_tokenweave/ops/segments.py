@@ -431,15 +431,15 @@ def tiles_for(layout: Layout, world: int, rows: int, hidden: int, k: int,
     efficiency = wave_efficiency(picked, layout, world, rows, hidden, ctas) if may_fit else 1.0
     if split is not None:
         picked = split
-    elif efficiency < below and _fitted_may_take(layout, world, rows, hidden, ctas):
-        picked = fitted_tiles(layout, world, rows, hidden, ctas)
+    elif efficiency < below and (
+            fit := _fitted_pick(layout, world, rows, hidden, ctas)) is not None:
+        picked = fit
     elif fp8 is not None and k > FP8_PARTIAL_BOX_MIN_K and not whole_boxes(k, 1):
         picked = one_consumer_tiles(layout, world, rows, hidden, ctas)
     elif may_fit and (_long_k_call(layout, world, rows, hidden, k, ctas, fp8, long_k)
                       or _part_wave_call(layout, world, rows, hidden, k, ctas, fp8, efficiency)):
-        fit = fitted_tiles(layout, world, rows, hidden, ctas)
-        picked = fit if not fit.cooperative and _fitted_may_take(
-            layout, world, rows, hidden, ctas) else picked
+        fit = _fitted_pick(layout, world, rows, hidden, ctas)
+        picked = fit if fit is not None and not fit.cooperative else picked
     return picked if fp8 is None else replace(picked, block_k=FP8_BLOCK_K)
 
 
@@ -484,12 +484,14 @@ def _triton_tiles(layout: Layout, world: int, rows: int, hidden: int, k: int,
     return PINGPONG if one is WIDE and k > PINGPONG_MAX_K else one
 
 
-def _fitted_may_take(layout: Layout, world: int, rows: int, hidden: int, ctas: int) -> bool:
-    """Whether the fitted tiles of a call may be its pick (`tiles_for`): cooperative ones
-    always, ping-pong ones from FIT_PINGPONG_MIN_CTA_TILES ping-pong tiles a CTA."""
-    return (fitted_tiles(layout, world, rows, hidden, ctas).cooperative
-            or _pingpong_tiles_per_cta(layout, world, rows, hidden, ctas)
-            >= FIT_PINGPONG_MIN_CTA_TILES)
+def _fitted_pick(layout: Layout, world: int, rows: int, hidden: int,
+                 ctas: int) -> GemmTiles | None:
+    """The fitted tiles of a call where they may be its pick (`tiles_for`), else None:
+    cooperative ones always, ping-pong ones from FIT_PINGPONG_MIN_CTA_TILES ping-pong tiles a
+    CTA."""
+    fit = fitted_tiles(layout, world, rows, hidden, ctas)
+    few = _pingpong_tiles_per_cta(layout, world, rows, hidden, ctas) < FIT_PINGPONG_MIN_CTA_TILES
+    return None if few and not fit.cooperative else fit
 
 
 def _part_wave_call(layout: Layout, world: int, rows: int, hidden: int, k: int, ctas: int,
