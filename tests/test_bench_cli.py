@@ -133,11 +133,19 @@ def test_call_check_plot_draws_from_a_result(tmp_path):
     from megatron_tokenweave.bench import call_check
 
     rows = [dict(tp=tp, tokens=t, hidden=h, max_err=0.0, check_on_us=5.0 + 0.01 * t,
-                 check_off_us=5.0, cost=0.002 * t / 256)
+                 check_off_us=5.0, cost=0.002 * t / 256, costs=[0.001, 0.002 * t / 256, 0.003])
             for tp in (2, 4) for h in (4096, 8192) for t in (8, 64, 256)]
     path = tmp_path / "call_check.png"
     call_check._plot({"gpu": "test", "date": "2026-12-02", "rows": rows}, str(path))
     assert path.stat().st_size > 1000
+
+
+def test_call_check_refuses_no_passes():
+    """A point needs at least one pass: zero is refused before any GPU work."""
+    from megatron_tokenweave.bench import call_check
+
+    with pytest.raises(SystemExit):
+        call_check.main(["--passes", "0"])
 
 
 def test_save_plot_keeps_the_figure_in_256_colours(tmp_path):
@@ -209,6 +217,8 @@ def test_fp8_rows_plot_draws_from_a_result(tmp_path, te):
      "--tokens must be multiples of 32"),
     (["block", "--fp8-recipe", "delayed", "--local"], "not with --local"),
     (["e2e", "--fp8-recipe", "blockwise", "--local"], "not with --local"),
+    (["block", "--fp8-recipe", "tensorwise"], "needs TransformerEngine"),
+    (["e2e", "--fp8-recipe", "delayed"], "needs TransformerEngine"),
     (["kernel", "--fp8-recipe", "blockwise"], "needs TransformerEngine"),
     (["kernel", "--fp8-recipe", "mxfp8"], "invalid choice"),
 ])

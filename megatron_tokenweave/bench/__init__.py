@@ -30,3 +30,24 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, *, tokens: list[int], i
     parser.add_argument("--iters", type=int, default=iters,
                         help=f"timed replays per {timed} (interleaved; medians)")
     parser.add_argument("--out", default=out, help="result JSON (plot beside it)")
+
+
+def add_fp8_recipe_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--fp8-recipe: none, or one of the TE FP8 recipes the woven layer weaves."""
+    from megatron_tokenweave.precision import WOVEN_FP8_RECIPES
+
+    parser.add_argument("--fp8-recipe", default="none", choices=["none", *WOVEN_FP8_RECIPES],
+                        help=f"{what} in this TE FP8 recipe (e4m3; TE needed)")
+
+
+def check_fp8_recipe(args: argparse.Namespace) -> None:
+    """Refuse an FP8 recipe the benchmark cannot run before any rank starts: TE's FP8 GEMMs,
+    so neither with --local specs nor without TransformerEngine."""
+    if args.fp8_recipe == "none":
+        return
+    if args.local:
+        raise SystemExit("--fp8-recipe runs TE's FP8 GEMMs: not with --local")
+    from megatron_tokenweave.spec import te_available
+
+    if not te_available():
+        raise SystemExit("--fp8-recipe needs TransformerEngine")

@@ -46,12 +46,12 @@ import json
 import torch
 from tqdm import tqdm
 
-from megatron_tokenweave.bench import command_parser
+from megatron_tokenweave.bench import add_fp8_recipe_argument, check_fp8_recipe, command_parser
 from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import save_plot, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import MOE_DISPATCH, SHAPES, llama_config, stock_layer_spec
-from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision, fp8_fields
+from megatron_tokenweave.precision import bench_precision, fp8_fields
 
 # name: (sequence parallel, TokenWeaveConfig overrides)
 VARIANTS = {
@@ -282,9 +282,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="allgather",
                         help="MoE shapes: allgather (dropless, eager only) or padded (all-to-all "
                              "padded to a capacity that drops nothing: CUDA graphs too)")
-    parser.add_argument("--fp8-recipe", default="none",
-                        choices=["none", *WOVEN_FP8_RECIPES],
-                        help="every block's GEMMs in this TE FP8 recipe (e4m3; TE needed)")
+    add_fp8_recipe_argument(parser, "every block's GEMMs")
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"],
                         choices=["graph", "eager"],
                         help="graph: CUDA-graph replays (GPU time); eager: Python launches too")
@@ -296,13 +294,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if args.fp8_recipe != "none" and args.local:
-        raise SystemExit("--fp8-recipe runs TE's FP8 GEMMs: not with --local")
-    if args.fp8_recipe != "none":
-        from megatron_tokenweave.spec import te_available
-
-        if not te_available():
-            raise SystemExit("--fp8-recipe needs TransformerEngine")
+    check_fp8_recipe(args)
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the block benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]

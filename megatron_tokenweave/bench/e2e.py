@@ -37,12 +37,17 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_tokenweave.bench import add_model_argument, command_parser
+from megatron_tokenweave.bench import (
+    add_fp8_recipe_argument,
+    add_model_argument,
+    check_fp8_recipe,
+    command_parser,
+)
 from megatron_tokenweave.bench.nocomm import no_tp_comm
 from megatron_tokenweave.bench.report import grouped_bars, save_plot, write_result
 from megatron_tokenweave.launch import spawn
 from megatron_tokenweave.models import SHAPES
-from megatron_tokenweave.precision import WOVEN_FP8_RECIPES, bench_precision, fp8_fields
+from megatron_tokenweave.precision import bench_precision, fp8_fields
 
 
 def _wall(fn: Callable[[], object]) -> float:
@@ -300,8 +305,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graph-scope", choices=["layer", "block"], default="layer",
                         help="with --cuda-graphs: a graph per layer or per decoder block")
     parser.add_argument("--local", action="store_true", help="local specs even with TE")
-    parser.add_argument("--fp8-recipe", default="none", choices=["none", *WOVEN_FP8_RECIPES],
-                        help="both models' GEMMs in this TE FP8 recipe (e4m3; TE needed)")
+    add_fp8_recipe_argument(parser, "both models' GEMMs")
     parser.add_argument("--metrics", nargs="+", choices=["prefill", "throughput"],
                         default=["prefill", "throughput"], help="what to measure")
     parser.add_argument("--out", default="docs/results/e2e_tp2.json",
@@ -315,8 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.fp8_recipe != "none" and args.local:
-        raise SystemExit("--fp8-recipe runs TE's FP8 GEMMs: not with --local")
+    check_fp8_recipe(args)
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"the end-to-end benchmark needs {args.tp} GPUs")
     rows = spawn(_run, args.tp, args)[0]

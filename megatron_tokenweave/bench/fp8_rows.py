@@ -19,6 +19,7 @@ timed as well and subtracted.
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -233,17 +234,15 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"--hidden {bad}: 1 x 128 block scales need multiples of 128")
     rows = []
-    for world in args.tp:
-        for hidden in args.hidden:
-            for tokens in args.tokens:
-                for row in _measure(world, tokens, hidden, args.ctas, args.iters):
-                    te = "" if row["separate_us"] is None else (
-                        f", op + TE quantize {row['separate_us']:.1f} us, TE norm + quantize "
-                        f"{row['te_norm_quantize_us']:.1f} us")
-                    print(f"TP {world} H {hidden} tokens {tokens} {row['scaling']}: op "
-                          f"{row['op_us']:.1f} us, op writing FP8 {row['fused_us']:.1f} us "
-                          f"({100 * row['cost']:+.1f} %){te}", flush=True)
-                    rows.append(row)
+    for world, hidden, tokens in itertools.product(args.tp, args.hidden, args.tokens):
+        for row in _measure(world, tokens, hidden, args.ctas, args.iters):
+            te = "" if row["separate_us"] is None else (
+                f", op + TE quantize {row['separate_us']:.1f} us, TE norm + quantize "
+                f"{row['te_norm_quantize_us']:.1f} us")
+            print(f"TP {world} H {hidden} tokens {tokens} {row['scaling']}: op "
+                  f"{row['op_us']:.1f} us, op writing FP8 {row['fused_us']:.1f} us "
+                  f"({100 * row['cost']:+.1f} %){te}", flush=True)
+            rows.append(row)
     write_result("fp8_rows", argv, rows, args.out, _plot)
 
 
