@@ -140,6 +140,28 @@ def test_call_check_plot_draws_from_a_result(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_call_check_point_is_the_median_of_passes_captured_in_turn(monkeypatch):
+    """A point's cost is the median of its passes' (every pass kept), and the passes capture
+    the check-on and check-off graphs in alternating order."""
+    from megatron_tokenweave.bench import call_check
+
+    costs = iter([0.05, -0.01, 0.02, 0.30, 0.01])
+    firsts = []
+
+    def fake(world, tokens, hidden, iters, on_first=True):
+        firsts.append(on_first)
+        cost = next(costs)
+        return dict(max_err=0.01 * len(firsts), check_on_us=10.0 * (1 + cost),
+                    check_off_us=10.0, cost=cost)
+
+    monkeypatch.setattr(call_check, "_measure", fake)
+    row = call_check._point(4, 8, 4096, 40, 5)
+    assert firsts == [True, False, True, False, True]
+    assert row["costs"] == [0.05, -0.01, 0.02, 0.30, 0.01]
+    assert row["cost"] == 0.02 and row["check_on_us"] == pytest.approx(10.2)
+    assert row["max_err"] == pytest.approx(0.05) and (row["tp"], row["tokens"]) == (4, 8)
+
+
 def test_call_check_refuses_no_passes():
     """A point needs at least one pass: zero is refused before any GPU work."""
     from megatron_tokenweave.bench import call_check
