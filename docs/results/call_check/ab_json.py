@@ -1,5 +1,6 @@
 """ab.sh's JSONs (call_check_<build>.json in SRC) as one file, rows tagged with their build, and
-its plot beside it (the check's cost per point and build); the ranges printed.
+its plot beside it (the check's cost per point and build, each pass's as a dot where the bench
+ran several); the ranges printed.
 
     python docs/results/call_check/ab_json.py SRC OUT.json "COMMAND" "WHAT"
 """
@@ -48,8 +49,12 @@ def main() -> None:
     for i, b in enumerate(builds):
         cost = {(r["tp"], r["hidden"], r["tokens"]): 100 * r["cost"] for r in rows
                 if r["build"] == b}
-        ax.bar([xi + (i - (len(builds) - 1) / 2) * width for xi in x], [cost[k] for k in keys],
-               width, label=b)
+        at = [xi + (i - (len(builds) - 1) / 2) * width for xi in x]
+        ax.bar(at, [cost[k] for k in keys], width, label=b)
+        passes = {(r["tp"], r["hidden"], r["tokens"]): r.get("costs", []) for r in rows
+                  if r["build"] == b}  # every pass's cost where the bench ran several
+        for xi, k in zip(at, keys, strict=True):
+            ax.scatter([xi] * len(passes[k]), [100 * c for c in passes[k]], s=5, color="k")
         print(f"{b}: {min(cost.values()):+.2f} .. {max(cost.values()):+.2f} %")
     ax.axhline(2, color="red", ls="--", lw=1, label="goal: 2 %")
     ax.axhline(0, color="k", lw=0.5)
