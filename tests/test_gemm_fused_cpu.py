@@ -885,6 +885,37 @@ def test_fit_tiles_take_64_row_consumers_in_the_cooperative_mode_only():
             fitted_tiles(Layout.REPLICATED, 2, 777, 8192, 132, bad)
 
 
+def test_fit_tiles_refuse_extents_the_kernel_does_not_have():
+    """The fitted kernel is instantiated for token extents that are multiples of 8 from
+    FIT_MIN_ROWS: fit_tiles (and split K's forced extent) refuse any other when the tiles are
+    built, not only the op later."""
+    assert fit_tiles(FIT_MIN_ROWS, False).block_rows == FIT_MIN_ROWS
+    for extent in (0, 4, 8, 12, 100, 173):
+        for cooperative in (False, True):
+            with pytest.raises(TokenWeaveInputError, match="a multiple of 8 from"):
+                fit_tiles(extent, cooperative)
+    with pytest.raises(TokenWeaveInputError, match="a multiple of 8 from"):
+        split_k_tiles(Layout.REPLICATED, 2, 777, 3584, 9472, 132, extent=100)
+
+
+def test_an_empty_call_launches_nothing_whichever_kernel_its_tiles_name():
+    """owner_gemm of a call without rows returns before any kernel, the fitted one's included
+    (its op refuses zero rows; the Triton path always returned): no flags, as the consumer of an
+    empty call expects none."""
+    from types import SimpleNamespace
+
+    from megatron_tokenweave.kernels.owner_gemm import owner_gemm
+
+    inbox = SimpleNamespace(world=2)  # an empty call reads nothing else of it
+    x = torch.empty(0, 4096, dtype=torch.bfloat16)
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    for fitted in (True, False):
+        tiles = fit_tiles(64, True) if fitted else None
+        seg = segments(Layout.REPLICATED, 2, 0, hidden=4096, k=4096, ctas=132, tiles=tiles)
+        assert seg.tiles.fitted is fitted and seg.nonempty_blocks(2) == 0
+        owner_gemm(x, w, None, inbox, seg, 0, 132, tag=1)
+
+
 @pytest.mark.parametrize("layout", list(Layout))
 def test_split_k_tiles_split_the_part_wave(layout):
     """split_k_tiles: cooperative tiles of the extent that covers the rows with the least area

@@ -168,6 +168,9 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 f"{seg.tiles}")
         if validate:
             fp8.check(x, weight)
+    num_m = seg.nonempty_blocks(inbox.world)
+    if num_m == 0:  # no rows: no kernel, no flags (the consumer of an empty call does nothing)
+        return
     if seg.tiles.fitted:  # the CUDA kernel (csrc/include/tokenweave/fit_gemm.cuh)
         if validate:
             check_fitted_gemm(x, weight, bias, seg, inbox.slot_rows, inbox.world,
@@ -177,9 +180,6 @@ def owner_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             seg.fitted_geometry(inbox.slots_off, inbox.rank, inbox.slot_rows, inbox.world), ctas,
             [] if fp8 is None else [fp8.x_scale_inv, fp8.w_scale_inv], inbox.dtype,
             inbox.split_work(set_index) if seg.tiles.split_tiles else [])
-        return
-    num_m = seg.nonempty_blocks(inbox.world)
-    if num_m == 0:  # no rows: no flags either (the consumer of an empty call does nothing)
         return
     t, release = seg.tiles, seg.release == "gemm"
     grid = max(1, min(ctas, num_m * t.col_tiles(weight.shape[0])))

@@ -316,11 +316,12 @@ def fit_tiles(extent: int, cooperative: bool, block_k: int = 64,
             f"cooperative mode outside pairs and blocks: got split={split}, "
             f"cooperative={cooperative}, blocks={blocks}, tokens_m={tokens_m}, pair={pair}")
     most = fit_max_rows(cooperative, blocks, pair)
-    if not tokens_m and extent > most:
+    if not tokens_m and not (FIT_MIN_ROWS <= extent <= most and extent % 8 == 0):
         raise TokenWeaveInputError(
-            f"the fitted kernel's tiles hold at most {most} tokens here (64-row consumers, past "
-            f"{FIT_MAX_ROWS} tokens, take block scales or the cooperative mode outside pairs): "
-            f"got extent {extent}, cooperative={cooperative}, blocks={blocks}, pair={pair}")
+            f"the fitted kernel's tiles hold at most {most} tokens here, a multiple of 8 from "
+            f"{FIT_MIN_ROWS} (64-row consumers, past {FIT_MAX_ROWS} tokens, take block scales or "
+            f"the cooperative mode outside pairs): got extent {extent}, "
+            f"cooperative={cooperative}, blocks={blocks}, pair={pair}")
     if tokens_m:
         if not blocks or extent not in FIT_TOKENS_M_EXTENTS:
             raise TokenWeaveInputError(
