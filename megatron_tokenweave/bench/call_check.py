@@ -200,9 +200,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     if args.passes < 1 or args.iters < 1:
-        parser().error("--passes and --iters take at least 1")
+        cli.error("--passes and --iters take at least 1")
     from megatron_tokenweave.kernels import oneshot_applies
 
     rows = []
